@@ -1,0 +1,1 @@
+"""envs: see DESIGN.md (filled in by later issues)."""

@@ -1,0 +1,1 @@
+"""pacerl: the front door (command, run configuration)."""

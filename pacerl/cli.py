@@ -1,0 +1,123 @@
+"""The `pacerl` command. Each subcommand parses its own arguments and calls into the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = Limits()
+    parser.add_argument("--timeout", type=float, default=defaults.timeout_s, help="wall-clock seconds")
+    parser.add_argument("--memory-mb", type=int, default=defaults.memory_mb, help="address-space MiB")
+    parser.add_argument("--max-processes", type=int, default=defaults.max_processes)
+    parser.add_argument("--output-cap", type=int, default=defaults.output_cap_bytes, help="bytes kept")
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    return Limits(
+        timeout_s=args.timeout,
+        memory_mb=args.memory_mb,
+        max_processes=args.max_processes,
+        output_cap_bytes=args.output_cap,
+    )
+
+
+def _backend_options(pairs: Sequence[str]) -> dict[str, object]:
+    """`--option key=value` pairs; values parsed as JSON when they parse, else kept as strings."""
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option wants key=value, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def cmd_sandbox_run(args: argparse.Namespace) -> int:
+    """`pacerl sandbox run FILE|-`: run one program, print the ExecResult as one JSON object."""
+    source = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    stdin = Path(args.stdin).read_bytes() if args.stdin else None
+    with Sandbox(args.backend, limits=_limits(args), **_backend_options(args.option)) as sandbox:
+        result = sandbox.run(source, language=args.language, stdin=stdin)
+    print(json.dumps(result.to_json()))
+    return 0 if result.ok else 1
+
+
+def cmd_serve_sandbox(args: argparse.Namespace) -> int:
+    """`pacerl serve sandbox`: a SandboxFusion-compatible /run_code server."""
+    from sandbox.server import serve
+
+    serve(
+        backend=args.backend,
+        host=args.host,
+        port=args.port,
+        max_concurrency=args.max_concurrency,
+        limits=_limits(args),
+        options=_backend_options(args.option),
+    )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """`pacerl demo`: the main job on the embedded defaults."""
+    from pacerl.demo import run_demo
+
+    return run_demo(backend=args.backend)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pacerl", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="run the main job on the embedded defaults")
+    demo.add_argument("--backend", default="local", choices=sorted(BACKENDS))
+    demo.set_defaults(handler=cmd_demo)
+
+    sandbox = commands.add_parser("sandbox", help="run code in a sandbox").add_subparsers(
+        dest="sandbox_command", required=True
+    )
+    run = sandbox.add_parser("run", help="run FILE (or - for stdin) and print the result as JSON")
+    run.add_argument("file", help="program file, or - to read it from stdin")
+    run.add_argument("--backend", default="local", choices=sorted(BACKENDS))
+    run.add_argument("--language", default="python")
+    run.add_argument("--stdin", help="file whose bytes become the program's stdin")
+    run.add_argument("--option", action="append", default=[], help="backend option key=value")
+    _add_limit_flags(run)
+    run.set_defaults(handler=cmd_sandbox_run)
+
+    serve = commands.add_parser("serve", help="run a server").add_subparsers(
+        dest="serve_command", required=True
+    )
+    serve_sandbox = serve.add_parser("sandbox", help="SandboxFusion-compatible /run_code server")
+    serve_sandbox.add_argument("--backend", default="local", choices=["local", "docker"])
+    serve_sandbox.add_argument("--host", default="127.0.0.1")
+    serve_sandbox.add_argument("--port", type=int, default=8080)
+    serve_sandbox.add_argument("--max-concurrency", type=int, default=8, help="runs at once; more wait")
+    serve_sandbox.add_argument("--option", action="append", default=[], help="backend option key=value")
+    _add_limit_flags(serve_sandbox)
+    serve_sandbox.set_defaults(handler=cmd_serve_sandbox)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `pacerl` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.handler(args)
+    except (SandboxUsageError, ValueError, OSError, RuntimeError) as error:
+        print(f"pacerl: error: {error}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,435 @@
+"""The `local` backend: Linux namespaces via bubblewrap, one fresh sandbox per run.
+
+Every run gets new user, PID, mount, network, IPC and UTS namespaces, a read-only root that holds
+only /usr (the interpreter and its libraries), a private size-capped tmpfs work directory and /tmp,
+a network namespace with nothing but loopback, and rlimits applied by the in-sandbox launcher. When
+the host runs as root, bubblewrap itself is started under an unprivileged uid taken from a pool, so
+RLIMIT_NPROC is enforced (the kernel exempts uid 0) and host files stay unwritable to the code.
+
+Latency: a pool of warm sandboxes (bubblewrap plus an interpreter already started and waiting for
+its job) makes a one-shot run cost a pipe write and a process exit, not a sandbox and interpreter
+start. Each warm sandbox serves exactly one run and is thrown away, so runs never share state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from sandbox._proc import Child
+from sandbox.limits import Limits
+from sandbox.request import ExecRequest
+from sandbox.result import ExecResult, ExecStatus, OutputCapture, classify_exit
+
+LAUNCHER_SOURCE = resources.files("sandbox").joinpath("_launcher.py").read_text()
+WORK_DIR = "/work"
+_SESSION_GRACE_S = 2.0
+"""Extra wall time the host gives a session cell after its in-sandbox alarm should have fired."""
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    """Options of the `local` backend."""
+
+    python: str = "/usr/bin/python3"
+    """Interpreter inside the sandbox. It must live under /usr or under one of `ro_binds`."""
+    ro_binds: tuple[str, ...] = ()
+    """Extra host paths made visible read-only at the same path (e.g. a venv with numpy)."""
+    warm_pool: int = 2
+    """Sandboxes kept started and waiting for a job; 0 starts each run cold."""
+    max_concurrency: int = 32
+    """Runs and session calls executing at once; more wait their turn."""
+    uid_base: int = 61000
+    """First uid of the pool that sandboxes run as when the host is root (one uid per live sandbox)."""
+    uid_count: int = 1000
+    """How many uids the pool holds."""
+    bwrap: str | None = field(default=None)
+    """Path to bubblewrap; None finds it on PATH."""
+
+    def __post_init__(self) -> None:
+        if self.warm_pool < 0 or self.max_concurrency < 1 or self.uid_count < 1:
+            raise ValueError("warm_pool must be >= 0, max_concurrency and uid_count >= 1")
+        if not self.python.startswith("/"):
+            raise ValueError(f"python must be an absolute path inside the sandbox, got {self.python!r}")
+
+
+class _UidPool:
+    """Hands out distinct unprivileged uids so that no two live sandboxes share an RLIMIT_NPROC count."""
+
+    def __init__(self, base: int, count: int) -> None:
+        # Several host processes may use the pool at once; starting at a pid-derived offset makes a
+        # collision unlikely (and harmless beyond a shared process cap).
+        self._free = [base + (os.getpid() + i) % count for i in range(count)]
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise RuntimeError("no free sandbox uid; raise LocalOptions.uid_count")
+            return self._free.pop(0)
+
+    def give(self, uid: int) -> None:
+        with self._lock:
+            self._free.append(uid)
+
+
+class _Box:
+    """One bubblewrap sandbox process (its launcher waits for a job or serves a session)."""
+
+    def __init__(
+        self, child: Child, info_read: int, status_read: int, uid: int | None, pool: _UidPool | None
+    ) -> None:
+        self.child = child
+        self._info_read = info_read
+        self._status_read = status_read
+        self._started = False
+        self._uid = uid
+        self._pool = pool
+
+    def started(self) -> bool:
+        """True once the launcher said it handed over to the user's code (so a failure is theirs)."""
+        if not self._started:
+            with contextlib.suppress(OSError):
+                self._started = os.read(self._status_read, 1) == b"R"
+        return self._started
+
+    def _inner_pid(self) -> int | None:
+        """The pid of the sandbox's init as bubblewrap reported it on --info-fd."""
+        with contextlib.suppress(OSError, ValueError):
+            data = os.read(self._info_read, 4096)
+            return int(json.loads(data)["child-pid"])
+        return None
+
+    def kill(self) -> None:
+        """Tear the whole sandbox down: killing its PID-namespace init kills every process in it."""
+        inner = self._inner_pid()
+        if inner is not None and self.child.alive and _parent_of(inner) == self.child.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(inner, signal.SIGKILL)
+        self.child.kill()
+
+    async def close(self) -> None:
+        self.kill()
+        await self.child.close()
+        for fd in (self._info_read, self._status_read):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self._uid is not None and self._pool is not None:
+            self._pool.give(self._uid)
+            self._uid = None
+
+
+def _parent_of(pid: int) -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1])
+    return None
+
+
+class LocalBackend:
+    """Runs code in bubblewrap sandboxes on this machine."""
+
+    name = "local"
+
+    def __init__(self, options: LocalOptions | None = None) -> None:
+        self.options = options or LocalOptions()
+        bwrap = self.options.bwrap or shutil.which("bwrap")
+        if bwrap is None:
+            raise RuntimeError(
+                "the local sandbox needs bubblewrap: install it (Debian/Ubuntu: apt-get install bubblewrap)"
+            )
+        self._bwrap = bwrap
+        self._uids = _UidPool(self.options.uid_base, self.options.uid_count) if os.geteuid() == 0 else None
+        self._slots = asyncio.Semaphore(self.options.max_concurrency)
+        self._warm: list[_Box] = []
+        self._filling: set[asyncio.Task[None]] = set()
+        self._sessions: set[LocalSession] = set()
+        self._closed = False
+
+    # -- sandbox processes ---------------------------------------------------------------------------
+
+    def _argv(self, launcher_args: list[str], limits: Limits) -> list[str]:
+        size = str(limits.work_dir_mb * 1024 * 1024)
+        argv = [self._bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+        argv += ["--ro-bind", "/usr", "/usr"]
+        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            host = Path("/") / top
+            if host.is_symlink():
+                argv += ["--symlink", os.readlink(host), f"/{top}"]
+            elif host.is_dir():
+                argv += ["--ro-bind", str(host), f"/{top}"]
+        argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+        for path in self.options.ro_binds:
+            argv += ["--ro-bind", path, path]
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        argv += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", WORK_DIR, "--chdir", WORK_DIR]
+        argv += ["--remount-ro", "/", "--clearenv"]
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+        for key, value in env.items():
+            argv += ["--setenv", key, value]
+        return [*argv, "--", self.options.python, "-I", "-c", LAUNCHER_SOURCE, *launcher_args]
+
+    def _spawn(self, mode: str, limits: Limits, *extra: str) -> _Box:
+        info_read, info_write = os.pipe()
+        status_read, status_write = os.pipe()
+        os.set_blocking(info_read, False)
+        os.set_blocking(status_read, False)
+        uid = self._uids.take() if self._uids is not None else None
+        try:
+            argv = self._argv([mode, str(status_write), *extra], limits)
+            argv[1:1] = ["--info-fd", str(info_write)]
+            as_user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+            child = Child(argv, pass_fds=(info_write, status_write), **as_user)
+        except BaseException:
+            os.close(info_read)
+            os.close(status_read)
+            if uid is not None and self._uids is not None:
+                self._uids.give(uid)
+            raise
+        finally:
+            os.close(info_write)
+            os.close(status_write)
+        return _Box(child, info_read, status_read, uid, self._uids)
+
+    async def _fill(self) -> None:
+        # The warm sandbox's tmpfs size is fixed at start, so warm boxes use the default limits;
+        # a run with a different work_dir_mb starts cold.
+        while not self._closed and len(self._warm) < self.options.warm_pool:
+            self._warm.append(self._spawn("oneshot", Limits()))
+            await asyncio.sleep(0)
+
+    def _refill(self) -> None:
+        if self.options.warm_pool and not self._closed and not self._filling:
+            task = asyncio.get_running_loop().create_task(self._fill())
+            self._filling.add(task)
+            task.add_done_callback(self._filling.discard)
+
+    async def _take_box(self, limits: Limits) -> _Box:
+        if limits.work_dir_mb == Limits().work_dir_mb:
+            while self._warm:
+                box = self._warm.pop(0)
+                if box.child.alive:
+                    self._refill()
+                    return box
+                await box.close()
+            self._refill()
+        return self._spawn("oneshot", limits)
+
+    # -- one-shot runs -------------------------------------------------------------------------------
+
+    async def run(self, request: ExecRequest) -> ExecResult:
+        """Run one program in a fresh sandbox and report what happened."""
+        if self._closed:
+            raise RuntimeError("this sandbox is closed")
+        async with self._slots:
+            try:
+                box = await self._take_box(request.limits)
+            except OSError as error:
+                return ExecResult.sandbox_error(f"could not start a sandbox: {error}")
+            try:
+                return await self._run_in(box, request)
+            finally:
+                await box.close()
+
+    async def _run_in(self, box: _Box, request: ExecRequest) -> ExecResult:
+        limits = request.limits
+        child = box.child
+        out, err = OutputCapture(limits.output_cap_bytes), OutputCapture(limits.output_cap_bytes)
+        started = time.monotonic()
+        deadline = started + limits.timeout_s
+        job = json.dumps(request.to_wire()).encode()
+        readers = [
+            asyncio.ensure_future(child.drain(child.stdout_fd, out, limits.output_kill_bytes)),
+            asyncio.ensure_future(child.drain(child.stderr_fd, err, limits.output_kill_bytes)),
+        ]
+        exited = asyncio.ensure_future(child.wait())
+        flood = False
+        with contextlib.suppress(TimeoutError, OSError):
+            await asyncio.wait_for(child.write(b"%d\n" % len(job) + job), limits.timeout_s)
+            pending: set[asyncio.Future[object]] = {exited, *readers}
+            while not exited.done() and not flood and time.monotonic() < deadline:
+                done, pending = await asyncio.wait(
+                    pending, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
+                )
+                flood = any(reader in done and reader.result() for reader in readers)
+        killed = not exited.done()
+        if killed:
+            box.kill()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(exited, *readers, return_exceptions=True), 5)
+        for task in (exited, *readers):
+            task.cancel()
+        fields = {
+            "stdout": out.text(),
+            "stderr": err.text(),
+            "duration_s": time.monotonic() - started,
+            "stdout_truncated": out.truncated,
+            "stderr_truncated": err.truncated,
+        }
+        if flood:
+            return ExecResult(ExecStatus.OUTPUT_LIMIT, None, reason="output limit exceeded", **fields)
+        if killed:
+            reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded"
+            return ExecResult(ExecStatus.TIMEOUT, None, reason=reason, **fields)
+        if not box.started():
+            reason = f"the sandbox failed to start: {fields['stderr'].strip()[-500:]}"
+            return ExecResult.sandbox_error(reason, float(fields["duration_s"]))
+        exit_code = exited.result()
+        if exit_code > 128:  # bubblewrap reports death by signal N as 128 + N
+            exit_code = -(exit_code - 128)
+        status, reason = classify_exit(exit_code, fields["stderr"])
+        return ExecResult(status, exit_code, reason=reason, **fields)
+
+    # -- sessions --------------------------------------------------------------------------------------
+
+    async def open_session(self, limits: Limits) -> LocalSession:
+        """Start a persistent interpreter in its own sandbox."""
+        if self._closed:
+            raise RuntimeError("this sandbox is closed")
+        session = LocalSession(self, limits)
+        await session.start()
+        self._sessions.add(session)
+        return session
+
+    async def aclose(self) -> None:
+        """Stop every warm sandbox. Idempotent."""
+        self._closed = True
+        for task in list(self._filling):
+            task.cancel()
+        warm, self._warm = self._warm, []
+        for box in warm:
+            await box.close()
+        for session in list(self._sessions):
+            await session.aclose()
+
+
+class LocalSession:
+    """A live Python interpreter in one sandbox; globals survive between calls.
+
+    A cell that runs past its timeout is interrupted inside the sandbox (SIGALRM) and the session
+    lives on. If the alarm cannot stop it (a C loop, a handler swallowed it) the host kills the whole
+    sandbox after a grace period; the next call starts a fresh interpreter and says so in stderr.
+    """
+
+    def __init__(self, backend: LocalBackend, limits: Limits) -> None:
+        self._backend = backend
+        self.limits = limits
+        self._box: _Box | None = None
+        self._lost_state = False
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        self._box = self._backend._spawn("session", self.limits, json.dumps(self.limits.to_wire()))
+        ready = await asyncio.wait_for(self._read_frame(self._box), 30)
+        if not ready.get("ready"):
+            raise RuntimeError(f"sandbox session failed to start: {ready}")
+
+    @staticmethod
+    async def _read_frame(box: _Box) -> dict[str, object]:
+        child = box.child
+        size = int(await child.read_line(child.stdout_fd))
+        frame: dict[str, object] = json.loads(await child.read_exactly(child.stdout_fd, size))
+        return frame
+
+    async def run(self, request: ExecRequest) -> ExecResult:
+        """Run one cell (Python only); the value of a trailing expression is printed."""
+        if request.language != "python":
+            raise ValueError("sessions run python only")
+        if request.files:
+            raise ValueError("sessions take no files; write them from the code")
+        async with self._lock, self._backend._slots:
+            notice = ""
+            if self._box is None or not self._box.child.alive:
+                if self._box is not None:
+                    await self._box.close()
+                await self.start()
+                if self._lost_state:
+                    notice = "[sandbox] the session was restarted after its last call was killed; "
+                    notice += "earlier variables are gone\n"
+                    self._lost_state = False
+            assert self._box is not None
+            return await self._call(self._box, request, notice)
+
+    async def _call(self, box: _Box, request: ExecRequest, notice: str) -> ExecResult:
+        limits = request.limits
+        started = time.monotonic()
+        message = {
+            "code": request.code,
+            "stdin": request.to_wire()["stdin"],
+            "timeout_s": limits.timeout_s,
+            "cpu_s": limits.effective_cpu_s,
+            "output_cap_bytes": limits.output_cap_bytes,
+        }
+        payload = json.dumps(message).encode()
+        try:
+            await box.child.write(b"%d\n" % len(payload) + payload)
+            reply = await asyncio.wait_for(self._read_frame(box), limits.timeout_s + _SESSION_GRACE_S)
+        except TimeoutError:
+            await self._kill()
+            reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded; the session was restarted"
+            return ExecResult(ExecStatus.TIMEOUT, None, notice, "", time.monotonic() - started, reason)
+        except (EOFError, OSError, ValueError) as error:
+            await self._kill()
+            stderr = notice + "[sandbox] the interpreter died; the session will restart on the next call\n"
+            return ExecResult(ExecStatus.ERROR, None, "", stderr, time.monotonic() - started, str(error))
+        return _session_result(reply, limits, notice, time.monotonic() - started)
+
+    async def _kill(self) -> None:
+        if self._box is not None:
+            await self._box.close()
+        self._box = None
+        self._lost_state = True
+
+    async def reset(self) -> None:
+        """Forget every variable: a fresh interpreter in a fresh sandbox."""
+        async with self._lock:
+            if self._box is not None:
+                await self._box.close()
+            self._lost_state = False
+            await self.start()
+
+    async def aclose(self) -> None:
+        """Kill the session's sandbox. Idempotent."""
+        async with self._lock:
+            if self._box is not None:
+                await self._box.close()
+                self._box = None
+        self._backend._sessions.discard(self)
+
+
+def _session_result(reply: dict[str, object], limits: Limits, notice: str, duration: float) -> ExecResult:
+    def text(key: str) -> tuple[str, bool]:
+        capture = OutputCapture(limits.output_cap_bytes)
+        head = base64.b64decode(str(reply[key]))
+        capture.feed(head)
+        capture.total = int(str(reply[f"{key}_total"]))
+        return capture.text(), capture.truncated
+
+    stdout, out_cut = text("stdout")
+    stderr, err_cut = text("stderr")
+    stderr = notice + stderr
+    total = int(str(reply["stdout_total"])) + int(str(reply["stderr_total"]))
+    kind = str(reply["kind"])
+    exit_code = reply["exit_code"] if isinstance(reply["exit_code"], int) else None
+    fields = {"stdout_truncated": out_cut, "stderr_truncated": err_cut}
+    if total > limits.output_kill_bytes:
+        status, reason = ExecStatus.OUTPUT_LIMIT, "output limit exceeded"
+    elif kind == "timeout":
+        status, reason = ExecStatus.TIMEOUT, f"wall-clock limit of {limits.timeout_s:g} s exceeded"
+    elif kind == "memory":
+        status, reason = ExecStatus.MEMORY, "memory limit exceeded"
+    elif kind == "error":
+        status, reason = ExecStatus.ERROR, f"exit code {exit_code}"
+    else:
+        status, reason = ExecStatus.OK, ""
+    return ExecResult(status, exit_code, stdout, stderr, duration, reason, **fields)

@@ -1,0 +1,1 @@
+"""trainer: see DESIGN.md (filled in by later issues)."""
