@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
@@ -112,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pacerl` console script."""
     args = build_parser().parse_args(argv)
     try:
-        code: int = args.handler(args)
+        handler: Callable[[argparse.Namespace], int] = args.handler
+        code = handler(args)
     except (SandboxUsageError, ValueError, OSError, RuntimeError) as error:
         print(f"pacerl: error: {error}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ Standard library only; runs under `python3 -I`. It must not import the project.
 """
 
 import base64
+import contextlib
 import json
 import linecache
 import os
@@ -178,7 +179,9 @@ def session(limits, status_fd):
     io_dir = "/tmp/.pacerl-io"
     os.makedirs(io_dir, exist_ok=True)
     apply_limits(limits, cpu_hard=resource.RLIM_INFINITY)
+    # Both the per-cell wall alarm and the per-cell CPU budget interrupt the cell, not the session.
     signal.signal(signal.SIGALRM, on_alarm)
+    signal.signal(signal.SIGXCPU, on_alarm)
     module = new_main_module()
     write_frame(control_out, {"ready": True})
     number = 0
@@ -194,7 +197,7 @@ def session(limits, status_fd):
         replace_fd(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
         replace_fd(stdin_fd(base64.b64decode(request.get("stdin", ""))), 0)
         used = resource.getrusage(resource.RUSAGE_SELF)
-        cpu_now = int(used.ru_utime + used.ru_stime)
+        cpu_now = int(used.ru_utime + used.ru_stime) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_now + request["cpu_s"], resource.RLIM_INFINITY))
         kind, exit_code = "ok", 0
         try:
@@ -214,14 +217,10 @@ def session(limits, status_fd):
             kind, exit_code = "error", 1
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-        try:
-            sys.stdout.flush()
-        except OSError:
-            pass  # the cell filled its output file; what it wrote is on disk
-        try:
-            sys.stderr.flush()
-        except OSError:
-            pass
+        for stream in (sys.stdout, sys.stderr):
+            # A cell that filled its output file (RLIMIT_FSIZE) cannot flush; what it wrote is on disk.
+            with contextlib.suppress(OSError):
+                stream.flush()
         cap = request["output_cap_bytes"]
         stdout, stdout_total = capped_read(out_path, cap)
         stderr, stderr_total = capped_read(err_path, cap)
@@ -238,8 +237,80 @@ def session(limits, status_fd):
         )
 
 
+# -- the `unshare` fallback: build the sandbox's root ourselves (bubblewrap does this otherwise) -------
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+
+
+def setup_root(spec):
+    """Running as root, PID 1 of fresh mount/PID/net/IPC/UTS namespaces: assemble a read-only root
+    holding only `spec["binds"]`, private tmpfs work dir and /tmp, then drop to `spec["uid"]` for good."""
+    import ctypes
+    import socket
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def mount(source, target, fstype, flags, data=None):
+        encode = lambda text: None if text is None else text.encode()  # noqa: E731
+        if libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"mount {target}: {os.strerror(error)}")
+
+    def bind(source, target, writable=False):
+        mount(source, target, None, MS_BIND | MS_REC)
+        flags = MS_REMOUNT | MS_BIND | MS_NOSUID | (0 if writable else MS_RDONLY)
+        mount(None, target, None, flags)
+
+    uid, size, new = spec["uid"], spec["size"], "/tmp"
+    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below leaks to the host's mount table
+    mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for path in spec["binds"]:
+        if os.path.isdir(path):
+            os.makedirs(new + path, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(new + path), exist_ok=True)
+            open(new + path, "w").close()
+        bind(path, new + path)
+    for name, target in spec["symlinks"].items():
+        os.symlink(target, new + name)
+    os.mkdir(new + "/dev")
+    mount("tmpfs", new + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=755")
+    for device in ("null", "zero", "full", "random", "urandom"):
+        open(f"{new}/dev/{device}", "w").close()
+        bind(f"/dev/{device}", f"{new}/dev/{device}", writable=True)
+    os.symlink("/proc/self/fd", new + "/dev/fd")
+    os.mkdir(new + "/proc")
+    mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for path in (spec["work"], "/tmp"):
+        os.makedirs(new + path, exist_ok=True)
+        mount("tmpfs", new + path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=700,uid={uid},gid={uid}")
+    os.chdir(new)
+    if libc.pivot_root(b".", b".") != 0 or libc.umount2(b".", 2) != 0:  # 2 = MNT_DETACH
+        raise OSError(ctypes.get_errno(), "pivot_root failed")
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
+    socket.sethostname("sandbox")
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # leaving uid 0 clears every capability
+    # Changing credentials cleared unshare's --kill-child parent-death signal: set it again, so that
+    # killing unshare still takes this PID namespace (and every process in it) down.
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PDEATHSIG) failed")
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(NO_NEW_PRIVS) failed")
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    os.chdir(spec["work"])
+
+
 if __name__ == "__main__":
-    # argv: MODE STATUS_FD [LIMITS_JSON]; STATUS_FD is -1 where the host needs no start signal.
+    # argv: MODE STATUS_FD LIMITS_JSON|- [ROOT_SPEC_JSON]. STATUS_FD is -1 where the host needs no start
+    # signal; ROOT_SPEC_JSON is given only by the `unshare` fallback (bubblewrap builds the root itself).
+    if len(sys.argv) > 4:
+        setup_root(json.loads(sys.argv[4]))
     if sys.argv[1] == "session":
         session(json.loads(sys.argv[3]), int(sys.argv[2]))
     else:

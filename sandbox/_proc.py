@@ -62,9 +62,9 @@ class Child:
             if not self._exited.done():
                 self._exited.set_result(code)
 
-    async def wait(self, timeout: float | None = None) -> int:
-        """Exit code (negative signal number for death by signal); TimeoutError past `timeout`."""
-        return await asyncio.wait_for(asyncio.shield(self._exited), timeout)
+    async def wait(self) -> int:
+        """Exit code (negative signal number for death by signal)."""
+        return await asyncio.shield(self._exited)
 
     async def write(self, data: bytes) -> None:
         """Write all of `data` to the child's stdin without blocking the loop."""
@@ -138,7 +138,7 @@ class Child:
         self._closed = True
         self.kill()
         with contextlib.suppress(TimeoutError):
-            await self.wait(timeout=5)
+            await asyncio.wait_for(self.wait(), 5)
         self.loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
         for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):

@@ -74,7 +74,8 @@ def _build(options_type: type[T], options: Mapping[str, Any]) -> T:
             f"unknown option(s) {', '.join(unknown)} for {options_type.__name__}; "
             f"valid: {', '.join(sorted(known))}"
         )
-    return options_type(**options)
+    built: T = options_type(**options)
+    return built
 
 
 class _LoopThread:
@@ -121,6 +122,8 @@ class Sandbox:
             self._loop.stop()
             raise
         self.backend_name = backend
+        self.options: dict[str, Any] = dict(options)
+        """The backend options this sandbox was made with."""
         self._closed = False
 
     # -- one-shot runs -------------------------------------------------------------------------------

@@ -1,10 +1,14 @@
-"""The `local` backend: Linux namespaces via bubblewrap, one fresh sandbox per run.
+"""The `local` backend: Linux namespaces via bubblewrap (else `unshare`), one fresh sandbox per run.
 
 Every run gets new user, PID, mount, network, IPC and UTS namespaces, a read-only root that holds
 only /usr (the interpreter and its libraries), a private size-capped tmpfs work directory and /tmp,
 a network namespace with nothing but loopback, and rlimits applied by the in-sandbox launcher. When
 the host runs as root, bubblewrap itself is started under an unprivileged uid taken from a pool, so
 RLIMIT_NPROC is enforced (the kernel exempts uid 0) and host files stay unwritable to the code.
+
+Without bubblewrap, a root host falls back to util-linux `unshare` (new mount, PID, network, IPC and
+UTS namespaces) and the launcher builds the same root itself before dropping to the pool uid; the
+network namespace then has no interface up at all, not even loopback.
 
 Latency: a pool of warm sandboxes (bubblewrap plus an interpreter already started and waiting for
 its job) makes a one-shot run cost a pipe write and a process exit, not a sandbox and interpreter
@@ -25,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from sandbox._proc import Child
 from sandbox.limits import Limits
@@ -55,10 +60,14 @@ class LocalOptions:
     """How many uids the pool holds."""
     bwrap: str | None = field(default=None)
     """Path to bubblewrap; None finds it on PATH."""
+    isolation: str = "auto"
+    """`bwrap`, `unshare` (root only), or `auto`: bubblewrap when present, else unshare."""
 
     def __post_init__(self) -> None:
         if self.warm_pool < 0 or self.max_concurrency < 1 or self.uid_count < 1:
             raise ValueError("warm_pool must be >= 0, max_concurrency and uid_count >= 1")
+        if self.isolation not in ("auto", "bwrap", "unshare"):
+            raise ValueError(f"isolation must be auto, bwrap or unshare, got {self.isolation!r}")
         if not self.python.startswith("/"):
             raise ValueError(f"python must be an absolute path inside the sandbox, got {self.python!r}")
 
@@ -129,6 +138,29 @@ class _Box:
             self._uid = None
 
 
+_TOP_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+_TOP_SYMLINKS = {f"/{top}": os.readlink(f"/{top}") for top in _TOP_DIRS if Path(f"/{top}").is_symlink()}
+"""Merged-/usr systems link /bin, /lib... into /usr; the sandbox's root repeats those links."""
+_SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+
+
+def _find_isolation(options: LocalOptions) -> tuple[str | None, str | None]:
+    """(bubblewrap path, None) or (None, unshare path), per `options.isolation`; a clear error if neither."""
+    if options.isolation in ("auto", "bwrap"):
+        bwrap = options.bwrap or shutil.which("bwrap")
+        if bwrap is not None and os.access(bwrap, os.X_OK):
+            return bwrap, None
+        if options.isolation == "bwrap":
+            raise RuntimeError(f"bubblewrap not found at {bwrap or 'PATH'}: apt-get install bubblewrap")
+    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
+    if unshare and setpriv and os.geteuid() == 0:
+        return None, unshare
+    raise RuntimeError(
+        "the local sandbox needs bubblewrap (apt-get install bubblewrap), or root with util-linux's "
+        "unshare and setpriv for the fallback"
+    )
+
+
 def _parent_of(pid: int) -> int | None:
     with contextlib.suppress(OSError, ValueError, IndexError):
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -143,12 +175,7 @@ class LocalBackend:
 
     def __init__(self, options: LocalOptions | None = None) -> None:
         self.options = options or LocalOptions()
-        bwrap = self.options.bwrap or shutil.which("bwrap")
-        if bwrap is None:
-            raise RuntimeError(
-                "the local sandbox needs bubblewrap: install it (Debian/Ubuntu: apt-get install bubblewrap)"
-            )
-        self._bwrap = bwrap
+        self._bwrap, self._unshare = _find_isolation(self.options)
         self._uids = _UidPool(self.options.uid_base, self.options.uid_count) if os.geteuid() == 0 else None
         self._slots = asyncio.Semaphore(self.options.max_concurrency)
         self._warm: list[_Box] = []
@@ -158,37 +185,63 @@ class LocalBackend:
 
     # -- sandbox processes ---------------------------------------------------------------------------
 
-    def _argv(self, launcher_args: list[str], limits: Limits) -> list[str]:
+    def _bwrap_argv(self, launcher_args: list[str], limits: Limits, info_fd: int) -> list[str]:
+        assert self._bwrap is not None
         size = str(limits.work_dir_mb * 1024 * 1024)
-        argv = [self._bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
-        argv += ["--ro-bind", "/usr", "/usr"]
-        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            host = Path("/") / top
-            if host.is_symlink():
-                argv += ["--symlink", os.readlink(host), f"/{top}"]
-            elif host.is_dir():
-                argv += ["--ro-bind", str(host), f"/{top}"]
-        argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-        for path in self.options.ro_binds:
+        argv = [self._bwrap, "--info-fd", str(info_fd), "--unshare-all", "--die-with-parent", "--new-session"]
+        argv += ["--hostname", "sandbox"]
+        for path in self._read_only_paths():
             argv += ["--ro-bind", path, path]
+        for name, target in _TOP_SYMLINKS.items():
+            argv += ["--symlink", target, name]
         argv += ["--proc", "/proc", "--dev", "/dev"]
         argv += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", WORK_DIR, "--chdir", WORK_DIR]
         argv += ["--remount-ro", "/", "--clearenv"]
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
-        for key, value in env.items():
+        for key, value in _SANDBOX_ENV.items():
             argv += ["--setenv", key, value]
         return [*argv, "--", self.options.python, "-I", "-c", LAUNCHER_SOURCE, *launcher_args]
 
-    def _spawn(self, mode: str, limits: Limits, *extra: str) -> _Box:
+    def _unshare_argv(self, launcher_args: list[str], limits: Limits, uid: int) -> list[str]:
+        assert self._unshare is not None
+        spec = {
+            "uid": uid,
+            "size": limits.work_dir_mb * 1024 * 1024,
+            "binds": self._read_only_paths(),
+            "symlinks": _TOP_SYMLINKS,
+            "work": WORK_DIR,
+            "env": _SANDBOX_ENV,
+        }
+        # setpriv's parent-death signal survives its exec of unshare, so the sandbox dies with us.
+        argv = ["setpriv", "--pdeathsig", "SIGKILL", "--", self._unshare]
+        argv += ["--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child", "--"]
+        return [*argv, self.options.python, "-I", "-c", LAUNCHER_SOURCE, *launcher_args, json.dumps(spec)]
+
+    def _read_only_paths(self) -> list[str]:
+        paths = [
+            "/usr",
+            *(f"/{top}" for top in _TOP_DIRS if Path(f"/{top}").is_dir() and f"/{top}" not in _TOP_SYMLINKS),
+        ]
+        if Path("/etc/ld.so.cache").exists():
+            paths.append("/etc/ld.so.cache")
+        return [*paths, *self.options.ro_binds]
+
+    def _spawn(self, mode: str, limits: Limits, limits_json: str = "-") -> _Box:
         info_read, info_write = os.pipe()
         status_read, status_write = os.pipe()
         os.set_blocking(info_read, False)
         os.set_blocking(status_read, False)
         uid = self._uids.take() if self._uids is not None else None
         try:
-            argv = self._argv([mode, str(status_write), *extra], limits)
-            argv[1:1] = ["--info-fd", str(info_write)]
-            as_user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+            launcher_args = [mode, str(status_write), limits_json]
+            if self._bwrap is not None:
+                argv = self._bwrap_argv(launcher_args, limits, info_write)
+            else:
+                assert uid is not None
+                argv = self._unshare_argv(launcher_args, limits, uid)
+            # bubblewrap starts as the pool uid; the unshare fallback starts as root and drops itself.
+            as_user = (
+                {"user": uid, "group": uid, "extra_groups": []} if uid is not None and self._bwrap else {}
+            )
             child = Child(argv, pass_fds=(info_write, status_write), **as_user)
         except BaseException:
             os.close(info_read)
@@ -256,7 +309,7 @@ class LocalBackend:
         flood = False
         with contextlib.suppress(TimeoutError, OSError):
             await asyncio.wait_for(child.write(b"%d\n" % len(job) + job), limits.timeout_s)
-            pending: set[asyncio.Future[object]] = {exited, *readers}
+            pending: set[asyncio.Future[Any]] = {exited, *readers}
             while not exited.done() and not flood and time.monotonic() < deadline:
                 done, pending = await asyncio.wait(
                     pending, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
@@ -269,26 +322,22 @@ class LocalBackend:
             await asyncio.wait_for(asyncio.gather(exited, *readers, return_exceptions=True), 5)
         for task in (exited, *readers):
             task.cancel()
-        fields = {
-            "stdout": out.text(),
-            "stderr": err.text(),
-            "duration_s": time.monotonic() - started,
-            "stdout_truncated": out.truncated,
-            "stderr_truncated": err.truncated,
-        }
+        duration = time.monotonic() - started
         if flood:
-            return ExecResult(ExecStatus.OUTPUT_LIMIT, None, reason="output limit exceeded", **fields)
+            reason = "output limit exceeded"
+            return ExecResult.captured(ExecStatus.OUTPUT_LIMIT, None, out, err, duration, reason)
         if killed:
             reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded"
-            return ExecResult(ExecStatus.TIMEOUT, None, reason=reason, **fields)
+            return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason)
         if not box.started():
-            reason = f"the sandbox failed to start: {fields['stderr'].strip()[-500:]}"
-            return ExecResult.sandbox_error(reason, float(fields["duration_s"]))
+            return ExecResult.sandbox_error(
+                f"the sandbox failed to start: {err.text().strip()[-500:]}", duration
+            )
         exit_code = exited.result()
         if exit_code > 128:  # bubblewrap reports death by signal N as 128 + N
             exit_code = -(exit_code - 128)
-        status, reason = classify_exit(exit_code, fields["stderr"])
-        return ExecResult(status, exit_code, reason=reason, **fields)
+        status, reason = classify_exit(exit_code, err.text())
+        return ExecResult.captured(status, exit_code, out, err, duration, reason)
 
     # -- sessions --------------------------------------------------------------------------------------
 

@@ -65,6 +65,28 @@ class ExecResult:
         return cls(**{**data, "status": ExecStatus(data["status"])})
 
     @classmethod
+    def captured(
+        cls,
+        status: ExecStatus,
+        exit_code: int | None,
+        stdout: OutputCapture,
+        stderr: OutputCapture,
+        duration_s: float,
+        reason: str = "",
+    ) -> ExecResult:
+        """A result from the two capped output captures of a run."""
+        return cls(
+            status,
+            exit_code,
+            stdout.text(),
+            stderr.text(),
+            duration_s,
+            reason,
+            stdout_truncated=stdout.truncated,
+            stderr_truncated=stderr.truncated,
+        )
+
+    @classmethod
     def sandbox_error(cls, reason: str, duration_s: float = 0.0) -> ExecResult:
         """A result for a run the sandbox could not carry out."""
         return cls(ExecStatus.SANDBOX_ERROR, None, "", "", duration_s, reason=reason)

@@ -49,14 +49,21 @@ def local_sandbox() -> Iterator[Sandbox]:
 
 
 @pytest.fixture(scope="module")
+def unshare_sandbox() -> Iterator[Sandbox]:
+    """The fallback isolation (root hosts without bubblewrap), forced so it is tested here too."""
+    with Sandbox("local", isolation="unshare") as sandbox:
+        yield sandbox
+
+
+@pytest.fixture(scope="module")
 def docker_sandbox(docker_image: str) -> Iterator[Sandbox]:
     with Sandbox("docker", image=docker_image) as sandbox:
         yield sandbox
 
 
-@pytest.fixture(scope="module", params=["local", "docker"])
+@pytest.fixture(scope="module", params=["local", "local-unshare", "docker"])
 def any_sandbox(request: pytest.FixtureRequest) -> Sandbox:
-    """The hostile-code suite runs on every backend that runs code on this machine."""
-    fixture = "local_sandbox" if request.param == "local" else "docker_sandbox"
-    sandbox: Sandbox = request.getfixturevalue(fixture)
+    """The hostile-code suite runs on every backend (and isolation) that runs code on this machine."""
+    fixture = {"local": "local_sandbox", "local-unshare": "unshare_sandbox", "docker": "docker_sandbox"}
+    sandbox: Sandbox = request.getfixturevalue(fixture[request.param])
     return sandbox

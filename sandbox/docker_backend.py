@@ -1,0 +1,744 @@
+"""The `docker` backend: one throwaway container per run (or per session), driven through dockerd.
+
+Every container has no network (`network_mode="none"`), a read-only root, size-capped tmpfs mounts
+at /work and /tmp, memory, swap, pid and CPU caps, no capabilities, `no-new-privileges`, and a
+non-root user (by default a uid of its own, so RLIMIT_NPROC counts never mix between containers).
+Its PID 1 only waits and reaps; code runs through `docker exec` of the same in-sandbox launcher as
+the local backend (sandbox/_launcher.py), so rlimits, files, stdin and results mean the same thing.
+
+Latency: a warm container is created, started, and has its launcher already exec'd and waiting for
+its job on stdin, so a run costs one write, the code's own run time, and one `exec_inspect`. Each
+container serves one run (or one session = one episode) and is then removed in the background, and
+the pool refills itself.
+
+The docker SDK is blocking, so its calls run on a small thread pool owned by the backend. The exec
+streams do not: they are "hijacked" HTTP connections opened here with asyncio, so the multiplexed
+stdout/stderr are read on the event loop, capped as they arrive, and no bytes the HTTP layer might
+have buffered are lost.
+
+A stopped or crashed daemon is a `sandbox_error` result, never an exception or a hang; the next
+call after the daemon returns reconnects and rebuilds the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import json
+import os
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import docker
+from docker.errors import DockerException, ImageNotFound, NotFound
+from docker.types import LogConfig
+
+from sandbox.image import DEFAULT_IMAGE, IDLE_COMMAND, PYTHON, ensure_image
+from sandbox.limits import Limits
+from sandbox.local import _SESSION_GRACE_S, LAUNCHER_SOURCE, WORK_DIR, _session_result, _UidPool
+from sandbox.request import ExecRequest
+from sandbox.result import ExecResult, ExecStatus, OutputCapture, classify_exit
+
+T = TypeVar("T")
+
+LABEL = "pacerl.sandbox"
+"""Label on every container this backend creates (value "1")."""
+BACKEND_LABEL = "pacerl.sandbox.backend"
+"""Label whose value identifies the backend instance that created a container (for cleanup)."""
+
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+_FAILURES = (DockerException, OSError, EOFError)
+"""What a failing daemon raises: SDK errors, connection errors (requests' are OSErrors), cut streams."""
+_STREAM_CHUNK = 65536
+_MAX_SESSION_FRAME = 64 * 1024 * 1024
+_RESTART_NOTICE = "[sandbox] the session was restarted after its last call was killed; earlier variables are gone\n"
+_DIED_NOTICE = "[sandbox] the interpreter died; the session will restart on the next call\n"
+
+
+@dataclass(frozen=True)
+class DockerOptions:
+    """Options of the `docker` backend."""
+
+    image: str = DEFAULT_IMAGE
+    """Image every container runs; it needs /usr/bin/python3 (or `python`) and /bin/bash. Never pulled."""
+    build_image: bool = True
+    """When the daemon lacks `image`, build it from the host's interpreter (sandbox.image) instead of failing."""
+    warm_pool: int = 4
+    """Containers kept started, with a launcher waiting for its job; 0 starts each run cold."""
+    max_concurrency: int = 16
+    """Runs and session calls executing at once; more wait their turn."""
+    base_url: str | None = None
+    """Daemon address, "unix:///path" or "tcp://host:port" (no TLS); None reads DOCKER_HOST."""
+    cpus: float = 1.0
+    """CPUs each container may use (`nano_cpus`)."""
+    user: str | None = None
+    """Fixed "uid[:gid]" for every container; None gives each live container its own uid from the pool below."""
+    uid_base: int = 62000
+    """First uid of the pool (distinct from the local backend's pool, so their process counts never mix)."""
+    uid_count: int = 1000
+    """How many uids the pool holds (at least the number of containers alive at once)."""
+    python: str = PYTHON
+    """Interpreter inside the image that runs the launcher."""
+    api_timeout_s: float = 30.0
+    """Timeout of each call to the daemon; a daemon that hangs longer yields `sandbox_error`."""
+    api_threads: int = 8
+    """Threads (and pooled daemon connections) for the blocking SDK calls."""
+
+    def __post_init__(self) -> None:
+        if self.warm_pool < 0 or self.max_concurrency < 1 or self.uid_count < 1 or self.api_threads < 1:
+            raise ValueError("warm_pool must be >= 0; max_concurrency, uid_count and api_threads >= 1")
+        if not 0 < self.cpus <= 1024 or not 0 < self.api_timeout_s <= 3600:
+            raise ValueError(f"cpus ({self.cpus}) and api_timeout_s ({self.api_timeout_s}) must be positive")
+        if self.user is not None and self.user.split(":")[0] in ("", "0", "root"):
+            raise ValueError(f"user must be a non-root uid[:gid], got {self.user!r}")
+        if not self.python.startswith("/"):
+            raise ValueError(f"python must be an absolute path inside the image, got {self.python!r}")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The limits fixed when a container is created; a run needs a container of its own shape."""
+
+    memory_mb: int
+    work_dir_mb: int
+    max_processes: int
+
+    @classmethod
+    def of(cls, limits: Limits) -> _Shape:
+        return cls(limits.memory_mb, limits.work_dir_mb, limits.max_processes)
+
+    def host_config(self, api: Any, cpus: float) -> Any:
+        tmpfs = f"rw,exec,nosuid,nodev,size={self.work_dir_mb}m,mode=1777"
+        # RLIMIT_AS stops one process at memory_mb; the cgroup cap is the backstop for many processes
+        # together, with room for the tmpfs pages (charged to the container) and the idle PID 1.
+        memory = f"{self.memory_mb + 3 * self.work_dir_mb + 64}m"
+        return api.create_host_config(
+            network_mode="none",
+            read_only=True,
+            tmpfs={WORK_DIR: tmpfs, "/tmp": tmpfs},
+            shm_size=f"{self.work_dir_mb}m",
+            mem_limit=memory,
+            memswap_limit=memory,
+            pids_limit=self.max_processes + 8,  # RLIMIT_NPROC is the real cap; this one contains escapes
+            nano_cpus=int(cpus * 1e9),
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            log_config=LogConfig(type="none"),
+        )
+
+
+class _ExecStream:
+    """The hijacked connection of one `docker exec`: our bytes to its stdin, its stdout/stderr back.
+
+    Docker multiplexes the two output streams with 8-byte headers (stream id, 3 zero bytes, size as
+    big-endian uint32); `read_chunk` undoes that without ever holding more than one chunk.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._stream_id = 0
+        self._remaining = 0
+
+    @classmethod
+    async def open(cls, address: tuple[str, str, int], api_version: str, exec_id: str) -> _ExecStream:
+        scheme, host, port = address
+        if scheme == "unix":
+            reader, writer = await asyncio.open_unix_connection(host)
+        else:
+            reader, writer = await asyncio.open_connection(host, port)
+        try:
+            body = b'{"Detach": false, "Tty": false}'
+            writer.write(
+                f"POST /v{api_version}/exec/{exec_id}/start HTTP/1.1\r\nHost: docker\r\n"
+                f"Content-Type: application/json\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+            status = (await reader.readline()).split(maxsplit=2)
+            headers: dict[str, str] = {}
+            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            if len(status) < 2 or status[1] not in (b"101", b"200"):
+                detail = await reader.read(int(headers.get("content-length", "0")) or 2000)
+                raise DockerException(f"exec start failed: {b' '.join(status[1:]).decode()} {detail.decode()}")
+        except BaseException:
+            writer.close()
+            raise
+        return cls(reader, writer)
+
+    async def send(self, data: bytes) -> None:
+        self._writer.write(data)
+        await self._writer.drain()
+
+    async def read_chunk(self) -> tuple[int, bytes] | None:
+        """(stream id, bytes) with 1 = stdout and 2 = stderr; None at the end of the stream."""
+        while self._remaining == 0:
+            try:
+                header = await self._reader.readexactly(8)
+            except asyncio.IncompleteReadError as error:
+                if error.partial:
+                    raise EOFError("the Docker stream ended inside a frame header") from error
+                return None
+            self._stream_id, self._remaining = header[0], int.from_bytes(header[4:8], "big")
+        chunk = await self._reader.read(min(self._remaining, _STREAM_CHUNK))
+        if not chunk:
+            raise EOFError("the Docker stream ended inside a frame")
+        self._remaining -= len(chunk)
+        return self._stream_id, chunk
+
+    @property
+    def open_(self) -> bool:
+        """False once the daemon closed the connection (the exec ended or the daemon went away)."""
+        return not self._reader.at_eof() and self._reader.exception() is None and not self._writer.is_closing()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class _Box:
+    """One container, with the exec of its launcher once started."""
+
+    def __init__(self, container_id: str, shape: _Shape, uid: int | None) -> None:
+        self.id = container_id
+        self.shape = shape
+        self.uid = uid
+        self.exec_id = ""
+        self.stream: _ExecStream | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.stream is not None and self.stream.open_
+
+
+class DockerBackend:
+    """Runs code in single-use Docker containers."""
+
+    name = "docker"
+
+    def __init__(self, options: DockerOptions | None = None) -> None:
+        self.options = options or DockerOptions()
+        self._url = self.options.base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        self._address = _parse_address(self._url)
+        self._labels = {LABEL: "1", BACKEND_LABEL: uuid.uuid4().hex}
+        # Nothing here talks to the daemon: a backend made while dockerd is down works once it is back.
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            self.options.api_threads, thread_name_prefix="pacerl-docker"
+        )
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+        self._image_lock = threading.Lock()
+        self._uids = _UidPool(self.options.uid_base, self.options.uid_count) if self.options.user is None else None
+        self._slots = asyncio.Semaphore(self.options.max_concurrency)
+        self._warm: list[_Box] = []
+        self._pool_shape = _Shape.of(Limits())
+        self._filling: set[asyncio.Task[None]] = set()
+        self._removing: set[asyncio.Task[None]] = set()
+        self._sessions: set[DockerSession] = set()
+        self._created_any = False
+        self._closed = False
+        self._close_task: asyncio.Task[None] | None = None
+
+    # -- daemon calls (blocking SDK, on the backend's threads) ------------------------------------------
+
+    def _api(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                self._client = docker.DockerClient(
+                    base_url=self._url,
+                    timeout=int(self.options.api_timeout_s + 0.999),
+                    max_pool_size=self.options.api_threads,
+                )
+            return self._client.api
+
+    async def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(function, *args, **kwargs))
+
+    def _create(self, shape: _Shape, uid: int | None) -> str:
+        """Create and start one container; returns its id (the container is removed if start fails)."""
+        api = self._api()
+        user = self.options.user or f"{uid}:{uid}"
+        config = {
+            "command": list(IDLE_COMMAND),
+            "user": user,
+            "working_dir": WORK_DIR,
+            "environment": _ENV,
+            "hostname": "sandbox",
+            "labels": self._labels,
+            "host_config": shape.host_config(api, self.options.cpus),
+            "stop_signal": "SIGKILL",  # PID 1 ignores SIGTERM; a daemon shutdown must not wait for it
+        }
+        try:
+            container_id: str = api.create_container(self.options.image, **config)["Id"]
+        except ImageNotFound:
+            if not self.options.build_image:
+                raise
+            with self._image_lock:
+                ensure_image(self.options.image, base_url=self._url)
+            container_id = api.create_container(self.options.image, **config)["Id"]
+        self._created_any = True
+        try:
+            api.start(container_id)
+        except BaseException:
+            with contextlib.suppress(*_FAILURES):
+                api.remove_container(container_id, force=True)
+            raise
+        return container_id
+
+    def _remove_now(self, container_id: str) -> None:
+        with contextlib.suppress(NotFound):
+            self._api().remove_container(container_id, force=True)
+
+    def _kill_now(self, container_id: str) -> None:
+        with contextlib.suppress(NotFound):
+            try:
+                self._api().kill(container_id)
+            except docker.errors.APIError as error:
+                if error.status_code != 409:  # 409: not running any more, which is what we wanted
+                    raise
+
+    # -- containers ----------------------------------------------------------------------------------
+
+    async def _start_box(self, shape: _Shape, *launcher_args: str) -> _Box:
+        """A started container whose launcher is exec'd and attached (waiting for its job or requests)."""
+        uid = self._uids.take() if self._uids is not None else None
+        created = asyncio.ensure_future(self._call(self._create, shape, uid))
+        try:
+            container_id = await asyncio.shield(created)
+        except asyncio.CancelledError:
+            # The thread still finishes creating the container; remove it when it does.
+            created.add_done_callback(functools.partial(self._remove_late, uid))
+            raise
+        except BaseException:
+            self._give_uid(uid)
+            raise
+        box = _Box(container_id, shape, uid)
+        try:
+            command = [self.options.python, "-I", "-c", LAUNCHER_SOURCE, *launcher_args]
+            api = await self._call(self._api)
+            box.exec_id = (
+                await self._call(
+                    api.exec_create, container_id, command, stdin=True, stdout=True, stderr=True, workdir=WORK_DIR
+                )
+            )["Id"]
+            box.stream = await _ExecStream.open(self._address, api.api_version, box.exec_id)
+        except BaseException:
+            self._dispose(box)
+            raise
+        return box
+
+    def _remove_late(self, uid: int | None, created: asyncio.Future[str]) -> None:
+        if created.cancelled() or created.exception() is not None:
+            self._give_uid(uid)
+        else:
+            self._dispose(_Box(created.result(), self._pool_shape, uid))
+
+    def _give_uid(self, uid: int | None) -> None:
+        if uid is not None and self._uids is not None:
+            self._uids.give(uid)
+
+    def _dispose(self, box: _Box) -> None:
+        """Close the box's stream and remove its container in the background (aclose waits for it)."""
+        if box.stream is not None:
+            box.stream.close()
+        task = asyncio.get_running_loop().create_task(self._remove(box))
+        self._removing.add(task)
+        task.add_done_callback(self._removing.discard)
+
+    async def _remove(self, box: _Box) -> None:
+        try:
+            await self._call(self._remove_now, box.id)
+        except (*_FAILURES, RuntimeError):
+            pass  # the daemon is down (or the backend closing): the label sweep in aclose retries
+        finally:
+            self._give_uid(box.uid)
+
+    async def _kill(self, box: _Box) -> bool:
+        """Kill the container now (its processes die with its PID 1); False if the daemon did not answer."""
+        try:
+            await asyncio.wait_for(self._call(self._kill_now, box.id), self.options.api_timeout_s)
+        except (*_FAILURES, TimeoutError):
+            return False
+        return True
+
+    async def _fill(self) -> None:
+        shape = self._pool_shape
+        missing = self.options.warm_pool - sum(box.shape == shape for box in self._warm)
+        if missing <= 0 or self._closed:
+            return
+        started = await asyncio.gather(*(self._start_box(shape, "oneshot", "-1") for _ in range(missing)), return_exceptions=True)
+        for box in started:
+            if isinstance(box, _Box):
+                self._warm.append(box)
+        # Keep the pool at its size: boxes of an older shape go first.
+        while len(self._warm) > self.options.warm_pool:
+            stale = next((box for box in self._warm if box.shape != shape), self._warm[0])
+            self._warm.remove(stale)
+            self._dispose(stale)
+        if self._closed:
+            self._discard_warm()
+
+    def _refill(self) -> None:
+        if self.options.warm_pool and not self._closed and not self._filling:
+            task = asyncio.get_running_loop().create_task(self._fill())
+            self._filling.add(task)
+            task.add_done_callback(self._filling.discard)
+
+    def _discard_warm(self) -> None:
+        warm, self._warm = self._warm, []
+        for box in warm:
+            self._dispose(box)
+
+    async def _take_box(self, limits: Limits) -> _Box:
+        shape = _Shape.of(limits)
+        self._pool_shape = shape  # the pool follows what runs ask for
+        for box in list(self._warm):
+            if box.shape == shape:
+                self._warm.remove(box)
+                if box.ready:
+                    self._refill()
+                    return box
+                self._dispose(box)
+        self._refill()
+        return await self._start_box(shape, "oneshot", "-1")
+
+    def _unreachable(self, what: str, error: BaseException) -> str:
+        detail = str(error).strip() or type(error).__name__
+        if isinstance(error, DockerException) and not isinstance(error, docker.errors.APIError):
+            detail = f"cannot reach the Docker daemon at {self._url}: {detail}"
+        elif isinstance(error, OSError | EOFError | TimeoutError):
+            detail = f"the Docker daemon at {self._url} is unreachable or stopped answering ({type(error).__name__}: {detail})"
+        return f"{what}: {detail[:600]}"
+
+    # -- one-shot runs -------------------------------------------------------------------------------
+
+    async def run(self, request: ExecRequest) -> ExecResult:
+        """Run one program in a fresh container and report what happened."""
+        if self._closed:
+            raise RuntimeError("this sandbox is closed")
+        async with self._slots:
+            began = time.monotonic()
+            try:
+                box = await asyncio.wait_for(self._take_box(request.limits), self.options.api_timeout_s * 2)
+            except (*_FAILURES, TimeoutError) as error:
+                self._discard_warm()
+                reason = self._unreachable("could not start a Docker sandbox", error)
+                return ExecResult.sandbox_error(reason, time.monotonic() - began)
+            try:
+                return await self._run_in(box, request)
+            finally:
+                self._dispose(box)
+
+    async def _run_in(self, box: _Box, request: ExecRequest) -> ExecResult:
+        assert box.stream is not None
+        stream = box.stream
+        limits = request.limits
+        out, err = OutputCapture(limits.output_cap_bytes), OutputCapture(limits.output_cap_bytes)
+        started = time.monotonic()
+        deadline = started + limits.timeout_s
+        job = json.dumps(request.to_wire()).encode()
+
+        async def pump() -> bool:
+            """Send the job, then read output to its end; True on a flood."""
+            await stream.send(b"%d\n" % len(job) + job)
+            while (item := await stream.read_chunk()) is not None:
+                stream_id, chunk = item
+                (err if stream_id == 2 else out).feed(chunk)
+                if out.total + err.total > limits.output_kill_bytes:
+                    return True
+            return False
+
+        reader = asyncio.ensure_future(pump())
+        outcome, exit_code, failure = "timeout", None, None
+        poll_delay = 0.25  # while output still flows: only orphans holding stdout open need a look
+        try:
+            while (remaining := deadline - time.monotonic()) > 0:
+                if not reader.done():
+                    await asyncio.wait({reader}, timeout=min(remaining, poll_delay))
+                if reader.done():
+                    if reader.exception() is not None:
+                        outcome, failure = "lost", reader.exception()
+                        break
+                    if reader.result():
+                        outcome = "flood"
+                        break
+                elif time.monotonic() >= deadline:
+                    break
+                info = await self._call(self._api().exec_inspect, box.exec_id)
+                if not info["Running"] and info["ExitCode"] is not None:
+                    outcome, exit_code = "exited", int(info["ExitCode"])
+                    break
+                if reader.done():
+                    # The output ended before the exit was recorded (or the code closed its stdout).
+                    poll_delay = min(poll_delay, 0.25)
+                    await asyncio.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
+                else:
+                    poll_delay = min(poll_delay * 2, 1.0)
+        except _FAILURES as error:
+            outcome, failure = "lost", error
+        if outcome == "exited" and not reader.done():
+            # The launcher exited but something it left behind still holds stdout open.
+            await asyncio.wait({reader}, timeout=0.1)
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, *_FAILURES):
+            await reader
+
+        fields: dict[str, Any] = {
+            "stdout": out.text(),
+            "stderr": err.text(),
+            "duration_s": time.monotonic() - started,
+            "stdout_truncated": out.truncated,
+            "stderr_truncated": err.truncated,
+        }
+        if outcome == "exited" and exit_code is not None:
+            return await self._exited(box, exit_code, fields)
+        killed = await self._kill(box)
+        fields["duration_s"] = time.monotonic() - started
+        if outcome == "lost" or not killed:
+            cause = failure or TimeoutError("the container could not be killed")
+            return ExecResult.sandbox_error(self._unreachable("the Docker sandbox failed", cause), fields["duration_s"])
+        if outcome == "flood":
+            return ExecResult(ExecStatus.OUTPUT_LIMIT, None, reason="output limit exceeded", **fields)
+        reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded"
+        return ExecResult(ExecStatus.TIMEOUT, None, reason=reason, **fields)
+
+    async def _exited(self, box: _Box, exit_code: int, fields: dict[str, Any]) -> ExecResult:
+        if exit_code > 128:  # runc reports death by signal N as 128 + N
+            exit_code = -(exit_code - 128)
+        if exit_code == -9:
+            # SIGKILL came from the cgroup's OOM killer, from outside (a daemon shutdown), or from the
+            # code itself; the container's state tells which.
+            try:
+                state = (await self._call(self._api().inspect_container, box.id))["State"]
+            except _FAILURES as error:
+                return ExecResult.sandbox_error(self._unreachable("the Docker sandbox failed", error), fields["duration_s"])
+            if state.get("OOMKilled"):
+                return ExecResult(ExecStatus.MEMORY, exit_code, reason="memory limit exceeded", **fields)
+            if not state.get("Running"):
+                reason = "the container was killed from outside the sandbox (daemon shutdown?)"
+                return ExecResult.sandbox_error(reason, fields["duration_s"])
+        status, reason = classify_exit(exit_code, fields["stderr"])
+        return ExecResult(status, exit_code, reason=reason, **fields)
+
+    # -- sessions --------------------------------------------------------------------------------------
+
+    async def open_session(self, limits: Limits) -> DockerSession:
+        """Start a persistent interpreter in a container of its own."""
+        if self._closed:
+            raise RuntimeError("this sandbox is closed")
+        session = DockerSession(self, limits)
+        try:
+            await session.start()
+        except DockerException as error:  # callers expect OSError/RuntimeError-family failures
+            raise RuntimeError(self._unreachable("could not start a Docker session", error)) from error
+        self._sessions.add(session)
+        return session
+
+    async def _daemon_answers(self) -> bool:
+        try:
+            await asyncio.wait_for(self._call(lambda: self._api().ping()), 5)
+        except (*_FAILURES, TimeoutError):
+            return False
+        return True
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Remove every container this backend created. Idempotent."""
+        if self._close_task is None:
+            self._close_task = asyncio.get_running_loop().create_task(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
+        self._closed = True
+        for task in list(self._filling):
+            task.cancel()
+        await asyncio.gather(*self._filling, return_exceptions=True)
+        for session in list(self._sessions):
+            await session.aclose()
+        self._discard_warm()
+        while self._removing:
+            await asyncio.gather(*list(self._removing), return_exceptions=True)
+        # Calls still in flight (a cancelled fill's container creation) finish before the sweep looks.
+        await asyncio.to_thread(self._executor.shutdown, True)
+        if self._created_any:
+            left = await asyncio.to_thread(self._sweep)
+            if left:
+                warnings.warn(
+                    f"the docker sandbox could not remove container(s) {', '.join(left)}: {self._url} unreachable",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if self._client is not None:
+            self._client.close()
+
+    def _sweep(self) -> list[str]:
+        """Remove every container carrying this backend's label; ids it could not remove."""
+        try:
+            api = self._api()
+            found = api.containers(all=True, quiet=True, filters={"label": f"{BACKEND_LABEL}={self._labels[BACKEND_LABEL]}"})
+        except _FAILURES:
+            return ["(unknown: cannot list)"]
+        left = []
+        for container in found:
+            try:
+                self._remove_now(container["Id"])
+            except _FAILURES:
+                left.append(container["Id"][:12])
+        return left
+
+
+class DockerSession:
+    """A live Python interpreter in one container; globals survive between calls.
+
+    Timeouts work as in the local backend: an in-sandbox SIGALRM interrupts a runaway cell and the
+    session lives on; if that fails, the host kills the container after a grace period and the next
+    call starts a fresh one, saying so in stderr. `reset` and a restart get a new container.
+    """
+
+    def __init__(self, backend: DockerBackend, limits: Limits) -> None:
+        self._backend = backend
+        self.limits = limits
+        self._box: _Box | None = None
+        self._stdout = bytearray()
+        self._stderr = OutputCapture(4096)
+        self._lost_state = False
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        self._stdout, self._stderr = bytearray(), OutputCapture(4096)
+        self._box = await self._backend._start_box(
+            _Shape.of(self.limits), "session", "-1", json.dumps(self.limits.to_wire())
+        )
+        try:
+            ready = await asyncio.wait_for(self._read_frame(), 30)
+        except (EOFError, ValueError) as error:
+            raise RuntimeError(f"sandbox session failed to start: {error}: {self._stderr.text()[-500:]}") from error
+        if not ready.get("ready"):
+            raise RuntimeError(f"sandbox session failed to start: {ready}")
+
+    async def _more(self) -> None:
+        assert self._box is not None and self._box.stream is not None
+        item = await self._box.stream.read_chunk()
+        if item is None:
+            raise EOFError("the sandbox closed its output")
+        stream_id, chunk = item
+        if stream_id == 2:
+            self._stderr.feed(chunk)
+        else:
+            self._stdout += chunk
+
+    async def _read_frame(self) -> dict[str, object]:
+        while b"\n" not in self._stdout:
+            if len(self._stdout) > 32:
+                raise ValueError("malformed frame header from the sandbox")
+            await self._more()
+        header, _, rest = bytes(self._stdout).partition(b"\n")
+        size = int(header)
+        if size > _MAX_SESSION_FRAME:
+            raise ValueError(f"oversized frame ({size} bytes) from the sandbox")
+        self._stdout = bytearray(rest)
+        while len(self._stdout) < size:
+            await self._more()
+        frame: dict[str, object] = json.loads(bytes(self._stdout[:size]))
+        del self._stdout[:size]
+        return frame
+
+    async def run(self, request: ExecRequest) -> ExecResult:
+        """Run one cell (Python only); the value of a trailing expression is printed."""
+        if request.language != "python":
+            raise ValueError("sessions run python only")
+        if request.files:
+            raise ValueError("sessions take no files; write them from the code")
+        async with self._lock, self._backend._slots:
+            notice = ""
+            if self._box is None or not self._box.ready:
+                if self._box is not None:
+                    self._backend._dispose(self._box)
+                    self._box = None
+                try:
+                    await self.start()
+                except (*_FAILURES, RuntimeError, TimeoutError) as error:
+                    reason = self._backend._unreachable("could not restart the Docker session", error)
+                    return ExecResult.sandbox_error(reason)
+                if self._lost_state:
+                    notice = _RESTART_NOTICE
+                    self._lost_state = False
+            return await self._call(request, notice)
+
+    async def _call(self, request: ExecRequest, notice: str) -> ExecResult:
+        assert self._box is not None and self._box.stream is not None
+        limits = request.limits
+        started = time.monotonic()
+        message = {
+            "code": request.code,
+            "stdin": request.to_wire()["stdin"],
+            "timeout_s": limits.timeout_s,
+            "cpu_s": limits.effective_cpu_s,
+            "output_cap_bytes": limits.output_cap_bytes,
+        }
+        payload = json.dumps(message).encode()
+        try:
+            await self._box.stream.send(b"%d\n" % len(payload) + payload)
+            reply = await asyncio.wait_for(self._read_frame(), limits.timeout_s + _SESSION_GRACE_S)
+        except TimeoutError:
+            await self._kill()
+            reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded; the session was restarted"
+            return ExecResult(ExecStatus.TIMEOUT, None, notice, "", time.monotonic() - started, reason)
+        except (*_FAILURES, ValueError) as error:
+            await self._kill()
+            if not await self._backend._daemon_answers():
+                reason = self._backend._unreachable("the Docker session failed", error)
+                return ExecResult.sandbox_error(reason, time.monotonic() - started)
+            stderr = notice + _DIED_NOTICE
+            return ExecResult(ExecStatus.ERROR, None, "", stderr, time.monotonic() - started, str(error))
+        return _session_result(reply, limits, notice, time.monotonic() - started)
+
+    async def _kill(self) -> None:
+        if self._box is not None:
+            await self._backend._kill(self._box)
+            self._backend._dispose(self._box)
+        self._box = None
+        self._lost_state = True
+
+    async def reset(self) -> None:
+        """Forget every variable: a fresh interpreter in a fresh container."""
+        async with self._lock:
+            if self._box is not None:
+                self._backend._dispose(self._box)
+                self._box = None
+            self._lost_state = False
+            await self.start()
+
+    async def aclose(self) -> None:
+        """Remove the session's container (and wait until it is gone). Idempotent."""
+        async with self._lock:
+            if self._box is not None:
+                box, self._box = self._box, None
+                if box.stream is not None:
+                    box.stream.close()
+                await self._backend._remove(box)
+        self._backend._sessions.discard(self)
+
+
+def _parse_address(url: str) -> tuple[str, str, int]:
+    """("unix", path, 0) or ("tcp", host, port) for a daemon URL; other schemes are refused."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix" and parts.path:
+        return "unix", parts.path, 0
+    if parts.scheme in ("tcp", "http") and parts.hostname:
+        if os.environ.get("DOCKER_TLS_VERIFY") and not url.startswith("http:"):
+            raise ValueError("the docker sandbox does not support TLS daemon connections (DOCKER_TLS_VERIFY)")
+        return "tcp", parts.hostname, parts.port or 2375
+    raise ValueError(f"unsupported Docker daemon address {url!r}; use unix:///path or tcp://host:port")

@@ -1,0 +1,297 @@
+"""A SandboxFusion-compatible HTTP server in front of any `Sandbox` (`pacerl serve sandbox`).
+
+Clients written for bytedance/SandboxFusion (verl's sandbox_fusion reward and tool, SandboxFusion's
+own SDK, plain `curl`) work unchanged. The request and response shapes, field names, defaults and
+status strings follow these files of github.com/bytedance/SandboxFusion (the models themselves live
+in sandbox.remote, shared with the client):
+
+- `sandbox/server/sandbox_api.py`: `POST /run_code`, `RunCodeRequest`, `RunCodeResponse`, `RunStatus`
+  and `parse_run_status`, whose verdicts are mapped here as follows.
+- `sandbox/runners/types.py`: `CommandRunStatus`, `CommandRunResult`, `Language`.
+- `sandbox/runners/base.py`: time-limit results carry no return code; `memory_limit_MB <= 0` means the
+  default; file entries with null content are skipped.
+- `sandbox/server/server.py`: `GET /v1/ping` answers "pong".
+
+ExecStatus -> SandboxFusion (`status` / `run_result.status` / `return_code`; `message` is empty for
+`ok`, else `[our status] our reason`, which sandbox.remote reads back):
+
+    ok             Success / Finished / 0
+    error          Failed / Finished / the exit code (-N: killed by signal N)
+    timeout        Failed / TimeLimitExceeded / null
+    memory         Failed / Finished / the exit code    (SandboxFusion has no memory verdict)
+    output_limit   Failed / Finished / null             (nor an output cap; the process was killed)
+    sandbox_error  SandboxError / Error / null
+
+Requests:
+
+- `run_timeout` becomes `Limits.timeout_s`, capped at the server's own `timeout_s` (`pacerl serve
+  sandbox --timeout`), which is thus the most a request may ask for; `memory_limit_MB` likewise caps
+  at the server's `memory_mb` and -1 (or any value <= 0) means that maximum. The other limits are
+  the server's. `compile_timeout` is accepted and unused (python and bash compile nothing).
+- A language outside SandboxFusion's list is invalid: HTTP 422, as SandboxFusion answers. A language
+  on its list that this server does not run (cpp, java, ...) is a valid request it cannot carry out:
+  HTTP 200 with status `SandboxError` and a message naming the supported languages. Non-empty
+  `fetch_files` are answered the same way: the sandbox returns no files.
+- Anything malformed (not JSON, missing or mistyped fields, NUL bytes, code over the size cap, bad
+  base64, paths leaving the work directory, stdin that is not UTF-8) is HTTP 422 with `detail`;
+  a body over `max_body_bytes` is HTTP 413. Never a 500: an unexpected failure while running is a
+  `SandboxError` answer, as SandboxFusion gives.
+
+At most `max_concurrency` runs execute at once; more wait in arrival order. With `max_queue` set, a
+request that would make the queue longer is answered HTTP 503 with `Retry-After` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import fastapi
+import uvicorn
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sandbox.core import Sandbox
+from sandbox.limits import Limits
+from sandbox.remote import (
+    CommandRunResult,
+    CommandRunStatus,
+    RunCodeRequest,
+    RunCodeResponse,
+    RunStatus,
+    status_message,
+)
+from sandbox.request import (
+    LANGUAGES,
+    MAX_CODE_BYTES,
+    MAX_FILES_BYTES,
+    MAX_STDIN_BYTES,
+    ExecRequest,
+    SandboxUsageError,
+)
+from sandbox.result import ExecResult, ExecStatus
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 2 * MAX_CODE_BYTES + 2 * MAX_STDIN_BYTES + 2 * MAX_FILES_BYTES
+"""Largest request body read: room for every input at its cap, base64 and JSON escaping included."""
+
+
+class _Gate:
+    """The concurrency limit: `limit` runs at once, at most `max_queue` more waiting (None: no cap)."""
+
+    def __init__(self, limit: int, max_queue: int | None) -> None:
+        if limit < 1 or (max_queue is not None and max_queue < 0):
+            raise ValueError("max_concurrency must be >= 1 and max_queue >= 0")
+        self.limit = limit
+        self.max_queue = max_queue
+        self.running = 0
+        self.waiting = 0
+        self._slots = asyncio.Semaphore(limit)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self.max_queue is not None and self._slots.locked() and self.waiting >= self.max_queue:
+            raise fastapi.HTTPException(
+                503, f"{self.running} runs executing and {self.waiting} queued; try again later",
+                headers={"Retry-After": "1"},
+            )  # fmt: skip
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            self._slots.release()
+
+
+class _BodyLimit:
+    """Refuses request bodies over `max_bytes` (HTTP 413) before anything parses them.
+
+    The body is read here, counted, and handed on whole, so a client that lies in Content-Length or
+    streams without one cannot make the server buffer more than the cap.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = JSONResponse({"detail": f"request body larger than {self.max_bytes} bytes"}, 413)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            status = 413 if declared.isdigit() else 400
+            answer = too_large if status == 413 else JSONResponse({"detail": "bad Content-Length"}, 400)
+            await answer(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left; nothing to answer
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _validation_detail(error: RequestValidationError) -> list[dict[str, Any]]:
+    # FastAPI's default echoes each bad input back, which for a megabyte of code is a megabyte of error.
+    return [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in error.errors()]
+
+
+def _refusal(message: str) -> RunCodeResponse:
+    """A valid SandboxFusion request this server cannot carry out."""
+    return RunCodeResponse(status=RunStatus.SANDBOX_ERROR, message=message)
+
+
+def fusion_response(result: ExecResult) -> RunCodeResponse:
+    """Our ExecResult in SandboxFusion's terms (the table in the module docstring)."""
+    run_status = CommandRunStatus.FINISHED
+    return_code = result.exit_code
+    verdict = RunStatus.FAILED
+    if result.status is ExecStatus.OK:
+        verdict = RunStatus.SUCCESS
+    elif result.status is ExecStatus.TIMEOUT:
+        run_status, return_code = CommandRunStatus.TIME_LIMIT_EXCEEDED, None
+    elif result.status is ExecStatus.SANDBOX_ERROR:
+        verdict, run_status, return_code = RunStatus.SANDBOX_ERROR, CommandRunStatus.ERROR, None
+    run = CommandRunResult(
+        status=run_status,
+        execution_time=result.duration_s,
+        return_code=return_code,
+        stdout=result.stdout,
+        stderr=result.stderr,
+    )
+    return RunCodeResponse(status=verdict, message=status_message(result), run_result=run)
+
+
+def _decode_files(files: dict[str, str | None]) -> dict[str, bytes]:
+    decoded: dict[str, bytes] = {}
+    for path, content in files.items():
+        if content is None:
+            continue
+        try:
+            decoded[path] = base64.b64decode(content, validate=True)
+        except binascii.Error as error:
+            raise fastapi.HTTPException(422, f"files[{path!r}] is not valid base64: {error}") from None
+    return decoded
+
+
+def _limits(body: RunCodeRequest, ceiling: Limits) -> Limits:
+    memory = ceiling.memory_mb if body.memory_limit_mb <= 0 else min(body.memory_limit_mb, ceiling.memory_mb)
+    try:
+        return ceiling.replace(timeout_s=min(body.run_timeout, ceiling.timeout_s), memory_mb=memory)
+    except ValueError as error:
+        raise fastapi.HTTPException(422, f"{error} (memory_limit_MB must be -1 or >= 32)") from None
+
+
+def create_app(
+    sandbox: Sandbox,
+    max_concurrency: int,
+    *,
+    max_queue: int | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> fastapi.FastAPI:
+    """The ASGI app serving `sandbox`; `sandbox.limits` are the most a request may ask for."""
+    gate = _Gate(max_concurrency, max_queue)
+    app = fastapi.FastAPI(
+        title="pacerl sandbox",
+        summary="A SandboxFusion-compatible /run_code service",
+        description=__doc__,
+    )
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: fastapi.Request, error: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": _validation_detail(error)}, status_code=422)
+
+    @app.post("/run_code", response_model=RunCodeResponse, tags=["sandbox"])
+    async def run_code(body: RunCodeRequest) -> RunCodeResponse:
+        """Run one program; HTTP 200 whatever the program did (see the module docstring)."""
+        if body.language not in LANGUAGES:
+            supported = ", ".join(LANGUAGES)
+            return _refusal(
+                f"language {body.language!r} is not supported by this server; supported: {supported}"
+            )
+        if body.fetch_files:
+            return _refusal("fetch_files is not supported by this server: the sandbox returns no files")
+        files = _decode_files(body.files)
+        try:
+            stdin = (body.stdin or "").encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise fastapi.HTTPException(422, f"stdin is not valid Unicode text: {error}") from None
+        limits = _limits(body, sandbox.limits)
+        try:
+            # Validate now, so a request that can never run is refused without waiting for a slot.
+            ExecRequest.build(body.code, body.language, stdin, files, limits)
+        except SandboxUsageError as error:
+            raise fastapi.HTTPException(422, str(error)) from None
+        async with gate.slot():
+            try:
+                result = await sandbox.arun(body.code, body.language, stdin, files, limits)
+            except Exception as error:  # the client gets SandboxError, as from SandboxFusion; logged here
+                logger.exception("run failed inside the sandbox server")
+                return _refusal(f"the sandbox failed: {type(error).__name__}: {error}")
+        return fusion_response(result)
+
+    @app.get("/v1/ping", tags=["health"])
+    async def ping() -> str:
+        """Liveness, as SandboxFusion answers it."""
+        return "pong"
+
+    @app.get("/health", tags=["health"])
+    async def health() -> dict[str, Any]:
+        """Liveness plus what this server runs and how busy it is."""
+        return {
+            "status": "ok",
+            "backend": sandbox.backend_name,
+            "languages": list(LANGUAGES),
+            "max_concurrency": gate.limit,
+            "running": gate.running,
+            "waiting": gate.waiting,
+        }
+
+    return app
+
+
+def serve(
+    backend: str,
+    host: str,
+    port: int,
+    max_concurrency: int,
+    limits: Limits,
+    options: dict[str, object],
+) -> None:
+    """Run the server until SIGINT/SIGTERM, then close the sandbox (warm sandboxes and all)."""
+    sandbox = Sandbox(backend, limits=limits, **options)
+    try:
+        app = create_app(sandbox, max_concurrency)
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
+    finally:
+        sandbox.close()
