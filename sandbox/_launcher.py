@@ -12,6 +12,7 @@ only the capped head), a per-call SIGALRM that interrupts runaway cells without 
 Standard library only; runs under `python3 -I`. It must not import the project.
 """
 
+import atexit
 import base64
 import contextlib
 import json
@@ -132,11 +133,34 @@ def oneshot(status_fd):
     register_source(module.__file__, job["code"])
     try:
         exec(compile(job["code"], module.__file__, "exec"), module.__dict__)
-    except SystemExit:
-        raise
+    except SystemExit as error:
+        finish(exit_status(error))
     except BaseException as error:
         print_exception(error)
-        sys.exit(1)
+        finish(1)
+    finish(0)
+
+
+def exit_status(error):
+    """The exit status `raise SystemExit(code)` gives in CPython (a message goes to stderr, status 1)."""
+    if error.code is None:
+        return 0
+    if isinstance(error.code, int):
+        return error.code & 0xFF
+    print(error.code, file=sys.stderr)
+    return 1
+
+
+def finish(status):
+    """Exit as CPython would (threads joined, atexit run, streams flushed) but skip the module
+    teardown, which costs a third of a one-shot run and nothing the user can observe."""
+    if "threading" in sys.modules:
+        sys.modules["threading"]._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 class CellTimeout(BaseException):

@@ -216,3 +216,17 @@ def test_output_capture_keeps_the_head_and_counts_the_rest() -> None:
 )
 def test_classify_exit(code: int, stderr: str, status: ExecStatus, reason: str) -> None:
     assert classify_exit(code, stderr) == (status, reason)
+
+
+def test_exit_semantics_match_cpython(local_sandbox: Sandbox) -> None:
+    code = (
+        "import atexit, sys, threading, time\n"
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread joined'))).start()\n"
+        "sys.stdout.write('unflushed tail')\n"
+    )
+    result = local_sandbox.run(code)
+    assert result.stdout == "unflushed tailthread joined\natexit ran\n", result
+    message = local_sandbox.run("import sys\nsys.exit('fatal: bad input')")
+    assert (message.exit_code, message.stderr) == (1, "fatal: bad input\n")
+    assert local_sandbox.run("raise SystemExit(300)").exit_code == 300 & 0xFF
