@@ -12,6 +12,7 @@ only the capped head), a per-call SIGALRM that interrupts runaway cells without 
 Standard library only; runs under `python3 -I`. It must not import the project.
 """
 
+import ast
 import atexit
 import base64
 import contextlib
@@ -23,11 +24,12 @@ import signal
 import sys
 import traceback
 import types
+from typing import Any
 
-MEMORY_SIGNS = (MemoryError,)
+Job = dict[str, Any]
 
 
-def read_frame(fd):
+def read_frame(fd: int) -> Job | None:
     header = b""
     while not header.endswith(b"\n"):
         byte = os.read(fd, 1)
@@ -41,10 +43,11 @@ def read_frame(fd):
         if not chunk:
             return None
         payload += chunk
-    return json.loads(payload)
+    frame: Job = json.loads(payload)
+    return frame
 
 
-def write_frame(fd, obj):
+def write_frame(fd: int, obj: Job) -> None:
     payload = json.dumps(obj).encode()
     data = b"%d\n" % len(payload) + payload
     while data:
@@ -52,7 +55,7 @@ def write_frame(fd, obj):
         data = data[written:]
 
 
-def write_files(files):
+def write_files(files: dict[str, str]) -> None:
     for path, content in files.items():
         directory = os.path.dirname(path)
         if directory:
@@ -61,7 +64,7 @@ def write_files(files):
             handle.write(base64.b64decode(content))
 
 
-def stdin_fd(data):
+def stdin_fd(data: bytes) -> int:
     """A file descriptor positioned at the start of `data` (an in-memory file: no pipe to fill)."""
     fd = os.memfd_create("stdin", 0)
     os.write(fd, data)
@@ -69,13 +72,13 @@ def stdin_fd(data):
     return fd
 
 
-def replace_fd(fd, target):
+def replace_fd(fd: int, target: int) -> None:
     os.dup2(fd, target)
     os.close(fd)
 
 
-def apply_limits(limits, cpu_hard=None):
-    def set_limit(kind, soft, hard=None):
+def apply_limits(limits: Job, cpu_hard: int | None = None) -> None:
+    def set_limit(kind: int, soft: int, hard: int | None = None) -> None:
         resource.setrlimit(kind, (soft, soft if hard is None else hard))
 
     set_limit(resource.RLIMIT_AS, limits["memory_bytes"])
@@ -88,17 +91,17 @@ def apply_limits(limits, cpu_hard=None):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
-def new_main_module():
+def new_main_module() -> types.ModuleType:
     module = types.ModuleType("__main__")
     module.__file__ = os.path.join(os.getcwd(), "main.py")
-    module.__builtins__ = __builtins__
+    module.__builtins__ = __builtins__  # type: ignore[attr-defined]
     sys.modules["__main__"] = module
     sys.argv = ["main.py"]
     sys.path.insert(0, os.getcwd())
     return module
 
 
-def print_exception(error):
+def print_exception(error: BaseException) -> None:
     # Skip this launcher's own frames (it runs as "<string>") so the traceback reads like the user's.
     trace = error.__traceback__
     while trace is not None and trace.tb_frame.f_code.co_filename == "<string>":
@@ -106,19 +109,19 @@ def print_exception(error):
     traceback.print_exception(type(error), error, trace)
 
 
-def register_source(filename, code):
+def register_source(filename: str, code: str) -> None:
     """Let tracebacks show the user's source lines although no such file exists."""
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
 
 
-def announce_start(status_fd):
+def announce_start(status_fd: int) -> None:
     """Tell the host the sandbox is up and the user's code starts now (then hide the channel)."""
     if status_fd >= 0:
         os.write(status_fd, b"R")
         os.close(status_fd)
 
 
-def oneshot(status_fd):
+def oneshot(status_fd: int) -> None:
     job = read_frame(0)
     if job is None:
         return  # the host discarded this warm sandbox
@@ -128,11 +131,12 @@ def oneshot(status_fd):
     announce_start(status_fd)
     if job["language"] == "bash":
         os.execv("/bin/bash", ["bash", "-c", job["code"]])
-    sys.stdout.reconfigure(line_buffering=True)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     module = new_main_module()
-    register_source(module.__file__, job["code"])
+    filename = str(module.__file__)
+    register_source(filename, job["code"])
     try:
-        exec(compile(job["code"], module.__file__, "exec"), module.__dict__)
+        exec(compile(job["code"], filename, "exec"), module.__dict__)
     except SystemExit as error:
         finish(exit_status(error))
     except BaseException as error:
@@ -141,7 +145,7 @@ def oneshot(status_fd):
     finish(0)
 
 
-def exit_status(error):
+def exit_status(error: SystemExit) -> int:
     """The exit status `raise SystemExit(code)` gives in CPython (a message goes to stderr, status 1)."""
     if error.code is None:
         return 0
@@ -151,7 +155,7 @@ def exit_status(error):
     return 1
 
 
-def finish(status):
+def finish(status: int) -> None:
     """Exit as CPython would (threads joined, atexit run, streams flushed) but skip the module
     teardown, which costs a third of a one-shot run and nothing the user can observe."""
     if "threading" in sys.modules:
@@ -167,20 +171,19 @@ class CellTimeout(BaseException):
     """Raised into a running cell by SIGALRM; a BaseException so `except Exception` cannot swallow it."""
 
 
-def on_alarm(signum, frame):
+def on_alarm(signum: int, frame: object) -> None:
     raise CellTimeout()
 
 
-def run_cell(code, module, number):
+def run_cell(code: str, module: types.ModuleType, number: int) -> None:
     """Run one cell; print the value of a trailing expression, as a notebook does."""
     filename = f"<cell {number}>"
     register_source(filename, code)
-    tree = compile(code, filename, "exec", flags=0x400, dont_inherit=True)  # ast.PyCF_ONLY_AST
+    tree = ast.parse(code, filename)
     last = None
-    if tree.body and type(tree.body[-1]).__name__ == "Expr":
-        import ast
-
-        last = ast.Expression(tree.body.pop().value)
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body[-1].value)
+        tree.body.pop()
     exec(compile(tree, filename, "exec"), module.__dict__)
     if last is not None:
         value = eval(compile(last, filename, "eval"), module.__dict__)
@@ -188,7 +191,7 @@ def run_cell(code, module, number):
             print(repr(value))
 
 
-def capped_read(path, cap):
+def capped_read(path: str, cap: int) -> tuple[str, int]:
     with open(path, "rb") as handle:
         head = handle.read(cap)
         total = os.fstat(handle.fileno()).st_size
@@ -196,7 +199,7 @@ def capped_read(path, cap):
     return base64.b64encode(head).decode(), total
 
 
-def session(limits, status_fd):
+def session(limits: Job, status_fd: int) -> None:
     announce_start(status_fd)
     control_in, control_out = os.dup(0), os.dup(1)
     replace_fd(os.open(os.devnull, os.O_RDONLY), 0)
@@ -220,6 +223,7 @@ def session(limits, status_fd):
         replace_fd(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 1)
         replace_fd(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
         replace_fd(stdin_fd(base64.b64decode(request.get("stdin", ""))), 0)
+        exit_code: int | None
         used = resource.getrusage(resource.RUSAGE_SELF)
         cpu_now = int(used.ru_utime + used.ru_stime) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_now + request["cpu_s"], resource.RLIM_INFINITY))
@@ -230,8 +234,7 @@ def session(limits, status_fd):
         except CellTimeout:
             kind, exit_code = "timeout", None
         except SystemExit as error:
-            code = error.code
-            exit_code = code if isinstance(code, int) else (0 if code is None else 1)
+            exit_code = exit_status(error)
             kind = "ok" if exit_code == 0 else "error"
         except MemoryError as error:
             print_exception(error)
@@ -268,7 +271,7 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 
 
-def setup_root(spec):
+def setup_root(spec: Job) -> None:
     """Running as root, PID 1 of fresh mount/PID/net/IPC/UTS namespaces: assemble a read-only root
     holding only `spec["binds"]`, private tmpfs work dir and /tmp, then drop to `spec["uid"]` for good."""
     import ctypes
@@ -276,13 +279,17 @@ def setup_root(spec):
 
     libc = ctypes.CDLL(None, use_errno=True)
 
-    def mount(source, target, fstype, flags, data=None):
-        encode = lambda text: None if text is None else text.encode()  # noqa: E731
+    def mount(
+        source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+    ) -> None:
+        def encode(text: str | None) -> bytes | None:
+            return None if text is None else text.encode()
+
         if libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)) != 0:
             error = ctypes.get_errno()
             raise OSError(error, f"mount {target}: {os.strerror(error)}")
 
-    def bind(source, target, writable=False):
+    def bind(source: str, target: str, writable: bool = False) -> None:
         mount(source, target, None, MS_BIND | MS_REC)
         flags = MS_REMOUNT | MS_BIND | MS_NOSUID | (0 if writable else MS_RDONLY)
         mount(None, target, None, flags)

@@ -57,9 +57,13 @@ BACKEND_LABEL = "pacerl.sandbox.backend"
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 _FAILURES = (DockerException, OSError, EOFError)
 """What a failing daemon raises: SDK errors, connection errors (requests' are OSErrors), cut streams."""
+_EXEC_FAILED = "OCI runtime exec failed"
+"""What the daemon writes to an exec's output when runc cannot start its process."""
 _STREAM_CHUNK = 65536
 _MAX_SESSION_FRAME = 64 * 1024 * 1024
-_RESTART_NOTICE = "[sandbox] the session was restarted after its last call was killed; earlier variables are gone\n"
+_RESTART_NOTICE = (
+    "[sandbox] the session was restarted after its last call was killed; earlier variables are gone\n"
+)
 _DIED_NOTICE = "[sandbox] the interpreter died; the session will restart on the next call\n"
 
 
@@ -70,7 +74,7 @@ class DockerOptions:
     image: str = DEFAULT_IMAGE
     """Image every container runs; it needs /usr/bin/python3 (or `python`) and /bin/bash. Never pulled."""
     build_image: bool = True
-    """When the daemon lacks `image`, build it from the host's interpreter (sandbox.image) instead of failing."""
+    """When the daemon lacks `image`, build it from the host's interpreter (sandbox.image); else fail."""
     warm_pool: int = 4
     """Containers kept started, with a launcher waiting for its job; 0 starts each run cold."""
     max_concurrency: int = 16
@@ -80,7 +84,7 @@ class DockerOptions:
     cpus: float = 1.0
     """CPUs each container may use (`nano_cpus`)."""
     user: str | None = None
-    """Fixed "uid[:gid]" for every container; None gives each live container its own uid from the pool below."""
+    """Fixed "uid[:gid]" for every container; None gives each live container its own uid (pool below)."""
     uid_base: int = 62000
     """First uid of the pool (distinct from the local backend's pool, so their process counts never mix)."""
     uid_count: int = 1000
@@ -171,7 +175,9 @@ class _ExecStream:
                 headers[name.strip().lower()] = value.strip()
             if len(status) < 2 or status[1] not in (b"101", b"200"):
                 detail = await reader.read(int(headers.get("content-length", "0")) or 2000)
-                raise DockerException(f"exec start failed: {b' '.join(status[1:]).decode()} {detail.decode()}")
+                raise DockerException(
+                    f"exec start failed: {b' '.join(status[1:]).decode()} {detail.decode()}"
+                )
         except BaseException:
             writer.close()
             raise
@@ -198,9 +204,11 @@ class _ExecStream:
         return self._stream_id, chunk
 
     @property
-    def open_(self) -> bool:
+    def is_open(self) -> bool:
         """False once the daemon closed the connection (the exec ended or the daemon went away)."""
-        return not self._reader.at_eof() and self._reader.exception() is None and not self._writer.is_closing()
+        return (
+            not self._reader.at_eof() and self._reader.exception() is None and not self._writer.is_closing()
+        )
 
     def close(self) -> None:
         self._writer.close()
@@ -218,7 +226,7 @@ class _Box:
 
     @property
     def ready(self) -> bool:
-        return self.stream is not None and self.stream.open_
+        return self.stream is not None and self.stream.is_open
 
 
 class DockerBackend:
@@ -238,7 +246,9 @@ class DockerBackend:
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._image_lock = threading.Lock()
-        self._uids = _UidPool(self.options.uid_base, self.options.uid_count) if self.options.user is None else None
+        self._uids = (
+            _UidPool(self.options.uid_base, self.options.uid_count) if self.options.user is None else None
+        )
         self._slots = asyncio.Semaphore(self.options.max_concurrency)
         self._warm: list[_Box] = []
         self._pool_shape = _Shape.of(Limits())
@@ -248,6 +258,16 @@ class DockerBackend:
         self._created_any = False
         self._closed = False
         self._close_task: asyncio.Task[None] | None = None
+
+    @property
+    def base_url(self) -> str:
+        """The daemon this backend talks to."""
+        return self._url
+
+    @property
+    def instance_id(self) -> str:
+        """The value of `BACKEND_LABEL` on every container of this backend."""
+        return self._labels[BACKEND_LABEL]
 
     # -- daemon calls (blocking SDK, on the backend's threads) ------------------------------------------
 
@@ -264,6 +284,10 @@ class DockerBackend:
     async def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(function, *args, **kwargs))
+
+    async def _api_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`APIClient.<method>(...)` on a backend thread (the client itself is made there too)."""
+        return await self._call(lambda: getattr(self._api(), method)(*args, **kwargs))
 
     def _create(self, shape: _Shape, uid: int | None) -> str:
         """Create and start one container; returns its id (the container is removed if start fails)."""
@@ -326,13 +350,11 @@ class DockerBackend:
         box = _Box(container_id, shape, uid)
         try:
             command = [self.options.python, "-I", "-c", LAUNCHER_SOURCE, *launcher_args]
-            api = await self._call(self._api)
-            box.exec_id = (
-                await self._call(
-                    api.exec_create, container_id, command, stdin=True, stdout=True, stderr=True, workdir=WORK_DIR
-                )
-            )["Id"]
-            box.stream = await _ExecStream.open(self._address, api.api_version, box.exec_id)
+            created_exec = await self._api_call(
+                "exec_create", container_id, command, stdin=True, stdout=True, stderr=True, workdir=WORK_DIR
+            )
+            box.exec_id = created_exec["Id"]
+            box.stream = await _ExecStream.open(self._address, self._client.api.api_version, box.exec_id)
         except BaseException:
             self._dispose(box)
             raise
@@ -366,6 +388,10 @@ class DockerBackend:
 
     async def _kill(self, box: _Box) -> bool:
         """Kill the container now (its processes die with its PID 1); False if the daemon did not answer."""
+        # Close our end first: a daemon blocked writing output nobody reads would hold the kill up
+        # for its 10 s grace period.
+        if box.stream is not None:
+            box.stream.close()
         try:
             await asyncio.wait_for(self._call(self._kill_now, box.id), self.options.api_timeout_s)
         except (*_FAILURES, TimeoutError):
@@ -373,21 +399,26 @@ class DockerBackend:
         return True
 
     async def _fill(self) -> None:
-        shape = self._pool_shape
-        missing = self.options.warm_pool - sum(box.shape == shape for box in self._warm)
-        if missing <= 0 or self._closed:
-            return
-        started = await asyncio.gather(*(self._start_box(shape, "oneshot", "-1") for _ in range(missing)), return_exceptions=True)
-        for box in started:
-            if isinstance(box, _Box):
-                self._warm.append(box)
-        # Keep the pool at its size: boxes of an older shape go first.
-        while len(self._warm) > self.options.warm_pool:
-            stale = next((box for box in self._warm if box.shape != shape), self._warm[0])
-            self._warm.remove(stale)
-            self._dispose(stale)
-        if self._closed:
-            self._discard_warm()
+        # Runs until the pool holds `warm_pool` boxes of the shape runs last asked for (aclose cancels
+        # it and discards what it made). A failed start ends it silently: the next run starts cold and
+        # reports the failure, and refills again.
+        while True:
+            shape = self._pool_shape
+            missing = self.options.warm_pool - sum(box.shape == shape for box in self._warm)
+            if missing <= 0:
+                return
+            started = await asyncio.gather(
+                *(self._start_box(shape, "oneshot", "-1", "-") for _ in range(missing)),
+                return_exceptions=True,
+            )
+            boxes = [box for box in started if isinstance(box, _Box)]
+            self._warm += boxes
+            while len(self._warm) > self.options.warm_pool:  # boxes of an older shape go first
+                stale = next((box for box in self._warm if box.shape != shape), self._warm[0])
+                self._warm.remove(stale)
+                self._dispose(stale)
+            if len(boxes) < missing:
+                return
 
     def _refill(self) -> None:
         if self.options.warm_pool and not self._closed and not self._filling:
@@ -411,14 +442,17 @@ class DockerBackend:
                     return box
                 self._dispose(box)
         self._refill()
-        return await self._start_box(shape, "oneshot", "-1")
+        return await self._start_box(shape, "oneshot", "-1", "-")
 
     def _unreachable(self, what: str, error: BaseException) -> str:
         detail = str(error).strip() or type(error).__name__
         if isinstance(error, DockerException) and not isinstance(error, docker.errors.APIError):
             detail = f"cannot reach the Docker daemon at {self._url}: {detail}"
         elif isinstance(error, OSError | EOFError | TimeoutError):
-            detail = f"the Docker daemon at {self._url} is unreachable or stopped answering ({type(error).__name__}: {detail})"
+            detail = (
+                f"the Docker daemon at {self._url} is unreachable or stopped answering "
+                f"({type(error).__name__}: {detail})"
+            )
         return f"{what}: {detail[:600]}"
 
     # -- one-shot runs -------------------------------------------------------------------------------
@@ -461,75 +495,80 @@ class DockerBackend:
 
         reader = asyncio.ensure_future(pump())
         outcome, exit_code, failure = "timeout", None, None
-        poll_delay = 0.25  # while output still flows: only orphans holding stdout open need a look
+        # While output still flows only orphans holding stdout open need a look, so polls are rare;
+        # once it has ended, the exit is usually recorded within milliseconds.
+        flowing_delay, ended_delay = 0.25, 0.002
         try:
             while (remaining := deadline - time.monotonic()) > 0:
                 if not reader.done():
-                    await asyncio.wait({reader}, timeout=min(remaining, poll_delay))
+                    await asyncio.wait({reader}, timeout=min(remaining, flowing_delay))
+                    flowing_delay = min(flowing_delay * 2, 1.0)
                 if reader.done():
-                    if reader.exception() is not None:
-                        outcome, failure = "lost", reader.exception()
-                        break
-                    if reader.result():
-                        outcome = "flood"
+                    failure = reader.exception()
+                    if failure is not None or reader.result():
+                        outcome = "lost" if failure is not None else "flood"
                         break
                 elif time.monotonic() >= deadline:
                     break
-                info = await self._call(self._api().exec_inspect, box.exec_id)
+                info = await self._api_call("exec_inspect", box.exec_id)
                 if not info["Running"] and info["ExitCode"] is not None:
                     outcome, exit_code = "exited", int(info["ExitCode"])
                     break
-                if reader.done():
-                    # The output ended before the exit was recorded (or the code closed its stdout).
-                    poll_delay = min(poll_delay, 0.25)
-                    await asyncio.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
-                else:
-                    poll_delay = min(poll_delay * 2, 1.0)
+                if reader.done():  # the code closed its stdout and stderr but runs on
+                    await asyncio.sleep(max(0.0, min(ended_delay, deadline - time.monotonic())))
+                    ended_delay = min(ended_delay * 2, 0.25)
+            if outcome == "exited" and not reader.done():
+                # The launcher exited but something it left behind still holds stdout open.
+                await asyncio.wait({reader}, timeout=0.1)
         except _FAILURES as error:
             outcome, failure = "lost", error
-        if outcome == "exited" and not reader.done():
-            # The launcher exited but something it left behind still holds stdout open.
-            await asyncio.wait({reader}, timeout=0.1)
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError, *_FAILURES):
-            await reader
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *_FAILURES):
+                await reader
 
-        fields: dict[str, Any] = {
-            "stdout": out.text(),
-            "stderr": err.text(),
-            "duration_s": time.monotonic() - started,
-            "stdout_truncated": out.truncated,
-            "stderr_truncated": err.truncated,
-        }
         if outcome == "exited" and exit_code is not None:
-            return await self._exited(box, exit_code, fields)
+            return await self._exited(box, exit_code, out, err, time.monotonic() - started)
         killed = await self._kill(box)
-        fields["duration_s"] = time.monotonic() - started
+        duration = time.monotonic() - started
         if outcome == "lost" or not killed:
             cause = failure or TimeoutError("the container could not be killed")
-            return ExecResult.sandbox_error(self._unreachable("the Docker sandbox failed", cause), fields["duration_s"])
+            return ExecResult.sandbox_error(self._unreachable("the Docker sandbox failed", cause), duration)
         if outcome == "flood":
-            return ExecResult(ExecStatus.OUTPUT_LIMIT, None, reason="output limit exceeded", **fields)
+            return ExecResult.captured(
+                ExecStatus.OUTPUT_LIMIT, None, out, err, duration, "output limit exceeded"
+            )
         reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded"
-        return ExecResult(ExecStatus.TIMEOUT, None, reason=reason, **fields)
+        return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason)
 
-    async def _exited(self, box: _Box, exit_code: int, fields: dict[str, Any]) -> ExecResult:
+    async def _exited(
+        self, box: _Box, exit_code: int, out: OutputCapture, err: OutputCapture, duration: float
+    ) -> ExecResult:
+        if exit_code in (126, 127) and _EXEC_FAILED in out.text():
+            # runc could not start the launcher (no such interpreter in the image): not the code's fault
+            return ExecResult.sandbox_error(
+                f"the sandbox failed to start: {out.text().strip()[-500:]}", duration
+            )
         if exit_code > 128:  # runc reports death by signal N as 128 + N
             exit_code = -(exit_code - 128)
         if exit_code == -9:
             # SIGKILL came from the cgroup's OOM killer, from outside (a daemon shutdown), or from the
             # code itself; the container's state tells which.
             try:
-                state = (await self._call(self._api().inspect_container, box.id))["State"]
+                state = (await self._api_call("inspect_container", box.id))["State"]
             except _FAILURES as error:
-                return ExecResult.sandbox_error(self._unreachable("the Docker sandbox failed", error), fields["duration_s"])
+                return ExecResult.sandbox_error(
+                    self._unreachable("the Docker sandbox failed", error), duration
+                )
             if state.get("OOMKilled"):
-                return ExecResult(ExecStatus.MEMORY, exit_code, reason="memory limit exceeded", **fields)
+                return ExecResult.captured(
+                    ExecStatus.MEMORY, exit_code, out, err, duration, "memory limit exceeded"
+                )
             if not state.get("Running"):
                 reason = "the container was killed from outside the sandbox (daemon shutdown?)"
-                return ExecResult.sandbox_error(reason, fields["duration_s"])
-        status, reason = classify_exit(exit_code, fields["stderr"])
-        return ExecResult(status, exit_code, reason=reason, **fields)
+                return ExecResult.sandbox_error(reason, duration)
+        status, reason = classify_exit(exit_code, err.text())
+        return ExecResult.captured(status, exit_code, out, err, duration, reason)
 
     # -- sessions --------------------------------------------------------------------------------------
 
@@ -547,7 +586,7 @@ class DockerBackend:
 
     async def _daemon_answers(self) -> bool:
         try:
-            await asyncio.wait_for(self._call(lambda: self._api().ping()), 5)
+            await asyncio.wait_for(self._api_call("ping"), 5)
         except (*_FAILURES, TimeoutError):
             return False
         return True
@@ -576,7 +615,7 @@ class DockerBackend:
             left = await asyncio.to_thread(self._sweep)
             if left:
                 warnings.warn(
-                    f"the docker sandbox could not remove container(s) {', '.join(left)}: {self._url} unreachable",
+                    f"the docker sandbox could not remove container(s) {', '.join(left)} ({self._url})",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -587,7 +626,9 @@ class DockerBackend:
         """Remove every container carrying this backend's label; ids it could not remove."""
         try:
             api = self._api()
-            found = api.containers(all=True, quiet=True, filters={"label": f"{BACKEND_LABEL}={self._labels[BACKEND_LABEL]}"})
+            found = api.containers(
+                all=True, quiet=True, filters={"label": f"{BACKEND_LABEL}={self._labels[BACKEND_LABEL]}"}
+            )
         except _FAILURES:
             return ["(unknown: cannot list)"]
         left = []
@@ -623,10 +664,15 @@ class DockerSession:
         )
         try:
             ready = await asyncio.wait_for(self._read_frame(), 30)
-        except (EOFError, ValueError) as error:
-            raise RuntimeError(f"sandbox session failed to start: {error}: {self._stderr.text()[-500:]}") from error
-        if not ready.get("ready"):
-            raise RuntimeError(f"sandbox session failed to start: {ready}")
+            if not ready.get("ready"):
+                raise ValueError(f"unexpected first frame {ready}")
+        except BaseException as error:
+            self._backend._dispose(self._box)
+            self._box = None
+            if isinstance(error, EOFError | ValueError):
+                detail = f"{error}: {self._stderr.text()[-500:]}"
+                raise RuntimeError(f"sandbox session failed to start: {detail}") from error
+            raise
 
     async def _more(self) -> None:
         assert self._box is not None and self._box.stream is not None

@@ -48,21 +48,22 @@ while True:
 leaves behind (they are re-parented to it), so zombies never fill the container's pid limit."""
 IDLE_COMMAND = (PYTHON, "-I", "-S", "-c", IDLE_SOURCE)
 
+_COREUTILS = """
+    basename cat chmod cp cut date dirname du echo env false find grep head id ls mkdir mv
+    printf pwd rm sed seq sleep sort stat tail tee touch tr true uname uniq wc xargs
+"""
 _TOOLS = (
     "/bin/bash",
     "/bin/sh",
-    *(
-        f"/usr/bin/{name}"
-        for name in (
-            "basename cat chmod cp cut date dirname du echo env false find grep head id ls mkdir mv "
-            "printf pwd rm sed seq sleep sort stat tail tee touch tr true uname uniq wc xargs"
-        ).split()
-    ),
+    *(f"/usr/bin/{name}" for name in _COREUTILS.split()),
 )
 """Programs besides Python; a missing one on the host is skipped (the image is still usable)."""
 _STDLIB_SKIP = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3"}
 """Top-level stdlib entries left out: tests and GUI/packaging tools sandboxed code has no use for."""
-_ETC_PASSWD = f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\nsandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:/work:/bin/bash\n"
+_ETC_PASSWD = (
+    "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
+    f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:/work:/bin/bash\n"
+)
 _ETC_GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\n"
 
 
@@ -139,8 +140,8 @@ def write_rootfs(tarball: Path) -> None:
         root.add_bytes("/etc/group", _ETC_GROUP.encode())
         for path in [*programs, *_shared_libraries([*programs, *map(str, extensions)])]:
             root.add(path)
-        for path in stdlib_files:
-            root.add(str(path))
+        for file in stdlib_files:
+            root.add(str(file))
 
 
 def _stdlib_files(stdlib: Path, cache_tag: str) -> Iterable[Path]:

@@ -29,111 +29,30 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import enum
 import json
 import math
 import re
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import pydantic
-from pydantic import BaseModel, Field
 
+from sandbox.fusion_schema import (
+    CommandRunStatus,
+    RunCodeRequest,
+    RunCodeResponse,
+    RunStatus,
+    parse_status_message,
+)
 from sandbox.limits import Limits
 from sandbox.request import MAX_CODE_BYTES, ExecRequest, SandboxUsageError
 from sandbox.result import TRUNCATION_MARKER, ExecResult, ExecStatus, OutputCapture, classify_exit
 
-# -- the SandboxFusion wire schema ---------------------------------------------------------------------
-
-SandboxFusionLanguage = Literal[
-    "python", "cpp", "nodejs", "go", "go_test", "java", "php", "csharp", "bash", "typescript", "sql",
-    "rust", "cuda", "lua", "R", "perl", "D_ut", "ruby", "scala", "julia", "pytest", "junit",
-    "kotlin_script", "jest", "verilog", "python_gpu", "lean", "swift", "racket",
-]  # fmt: skip
-"""Every `language` SandboxFusion accepts; anything else is a validation error (HTTP 422) there."""
-
-
-class CommandRunStatus(enum.StrEnum):
-    """How one command (compile or run) ended, in SandboxFusion's words."""
-
-    FINISHED = "Finished"
-    """The process exited by itself; `return_code` says how."""
-    ERROR = "Error"
-    """The sandbox could not run the command at all."""
-    TIME_LIMIT_EXCEEDED = "TimeLimitExceeded"
-    """Killed at `run_timeout`; no return code."""
-
-
-class RunStatus(enum.StrEnum):
-    """The overall verdict of a `/run_code` request."""
-
-    SUCCESS = "Success"
-    """Every command finished with return code 0."""
-    FAILED = "Failed"
-    """A command exited non-zero or hit its time limit: the code's fault."""
-    SANDBOX_ERROR = "SandboxError"
-    """The service could not carry the request out; `message` says why."""
-
-
-class CommandRunResult(BaseModel):
-    """One command's outcome (`compile_result` or `run_result`)."""
-
-    status: CommandRunStatus
-    execution_time: float | None = None
-    return_code: int | None = None
-    stdout: str | None = None
-    stderr: str | None = None
-
-
-class RunCodeRequest(BaseModel):
-    """The body of `POST /run_code`."""
-
-    compile_timeout: float = Field(10, description="compile timeout for compiled languages (unused here)")
-    run_timeout: float = Field(10, gt=0, allow_inf_nan=False, description="wall-clock seconds of the run")
-    # SandboxFusion spells this field in mixed case; the JSON keeps theirs, Python gets snake case.
-    memory_limit_mb: int = Field(-1, alias="memory_limit_MB", description="MiB; -1 means the default")
-    code: str = Field(description="the code to run")
-    stdin: str | None = Field(None, description="text passed to the program's standard input")
-    language: SandboxFusionLanguage = Field(description="the language of `code`")
-    files: dict[str, str | None] = Field({}, description="path -> base64 content; null entries skipped")
-    fetch_files: list[str] = Field([], description="paths to return after the run (not supported here)")
-
-
-class RunCodeResponse(BaseModel):
-    """The body of a `POST /run_code` answer (HTTP 200 whatever the verdict)."""
-
-    status: RunStatus
-    message: str
-    compile_result: CommandRunResult | None = None
-    run_result: CommandRunResult | None = None
-    executor_pod_name: str | None = None
-    files: dict[str, str] = {}
-
-
-_TAG = re.compile(r"\[([a-z_]+)\] (.*)", re.DOTALL)
-
-
-def status_message(result: ExecResult) -> str:
-    """`message` for a result: empty when ok, else `[status] reason`.
-
-    SandboxFusion has no words for a memory or output-limit kill (both are `Failed`); the tag keeps our
-    status readable by a pacerl client while staying a plain message for any other client.
-    """
-    if result.ok:
-        return ""
-    return f"[{result.status.value}] {result.reason}"
-
-
-def parse_status_message(message: str) -> tuple[ExecStatus | None, str]:
-    """The inverse of `status_message`: (tagged status or None, the reason text)."""
-    match = _TAG.fullmatch(message)
-    if match is None or match[1] not in ExecStatus._value2member_map_:
-        return None, message
-    return ExecStatus(match[1]), match[2]
-
+_MAX_REASON = 2000
+"""Characters of a service's error text kept in `ExecResult.reason`."""
 
 # -- from a response back to an ExecResult -------------------------------------------------------------
 
@@ -163,7 +82,8 @@ def result_from_response(response: RunCodeResponse, limits: Limits, duration_s: 
     broken = run is not None and run.status is CommandRunStatus.ERROR
     if response.status is RunStatus.SANDBOX_ERROR or broken:
         detail = text or (run.stderr if run is not None else None) or "no message"
-        return ExecResult.sandbox_error(f"the sandbox service failed: {detail}", duration_s)
+        # SandboxFusion's exception messages quote the whole program; the gist fits in a reason.
+        return ExecResult.sandbox_error(f"the sandbox service failed: {detail[:_MAX_REASON]}", duration_s)
     if run is None:
         built = response.compile_result
         if built is None or response.status is RunStatus.SUCCESS:
@@ -184,7 +104,8 @@ def result_from_response(response: RunCodeResponse, limits: Limits, duration_s: 
     elif tagged is not None and tagged is not ExecStatus.OK:
         status, reason = tagged, text
     elif run.return_code is None:
-        return ExecResult.sandbox_error("the sandbox service reported a finished run without a return code")
+        reason = "the sandbox service reported a finished run without a return code"
+        return ExecResult.sandbox_error(reason, duration_s)
     else:
         status, reason = classify_exit(run.return_code, run.stderr or "")
     fields = {"stdout_truncated": out_cut, "stderr_truncated": err_cut}
@@ -216,8 +137,12 @@ class RemoteOptions:
     """Largest answer read; a bigger one is a sandbox error rather than a memory blow-up."""
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"RemoteOptions.url must start with http:// or https://, got {self.url!r}")
+        try:
+            parsed = httpx.URL(self.url)
+        except httpx.InvalidURL as error:
+            raise ValueError(f"RemoteOptions.url={self.url!r} is not a URL: {error}") from None
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(f"RemoteOptions.url must be http(s)://host[:port][/path], got {self.url!r}")
         checks = [
             ("request_timeout_slack_s", 0 <= self.request_timeout_slack_s <= 3600),
             ("connect_timeout_s", 0 < self.connect_timeout_s <= 600),
@@ -351,6 +276,11 @@ class RemoteBackend:
 
 
 def _wire_request(request: ExecRequest, code: str, run_timeout_s: float) -> dict[str, Any]:
+    for what, text in [("code", code), *((f"file path {path!r}", path) for path in request.files)]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # lone surrogates: JSON could carry them, no program can
+            raise SandboxUsageError(f"{what} is not valid Unicode text: {error}") from None
     wire = {
         "code": code,
         "language": request.language,
@@ -627,6 +557,8 @@ def _driver_report(answer: RunCodeResponse, nonce: str) -> tuple[dict[str, Any],
 def _unreported(answer: RunCodeResponse, limits: Limits, duration: float) -> ExecResult:
     """The program died before its report (killed at the service's limit, or the service failed)."""
     result = result_from_response(answer, limits, duration)
+    if result.status is ExecStatus.SANDBOX_ERROR:
+        return result
     if result.status is ExecStatus.OK:
         return ExecResult.sandbox_error("the session program ended without reporting its cell", duration)
     note = "; the whole replay was stopped, so the cell was not kept"

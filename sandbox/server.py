@@ -33,9 +33,10 @@ Requests:
   HTTP 200 with status `SandboxError` and a message naming the supported languages. Non-empty
   `fetch_files` are answered the same way: the sandbox returns no files.
 - Anything malformed (not JSON, missing or mistyped fields, NUL bytes, code over the size cap, bad
-  base64, paths leaving the work directory, stdin that is not UTF-8) is HTTP 422 with `detail`;
-  a body over `max_body_bytes` is HTTP 413. Never a 500: an unexpected failure while running is a
-  `SandboxError` answer, as SandboxFusion gives.
+  base64, paths leaving the work directory, text with lone surrogates) is HTTP 422 with `detail`
+  (FastAPI's 400 for a body its JSON parser gives up on, e.g. nested too deep); a body over
+  `max_body_bytes` is HTTP 413. Never a 500: an unexpected failure while running is a `SandboxError`
+  answer, as SandboxFusion gives.
 
 At most `max_concurrency` runs execute at once; more wait in arrival order. With `max_queue` set, a
 request that would make the queue longer is answered HTTP 503 with `Retry-After` at once.
@@ -58,8 +59,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sandbox.core import Sandbox
-from sandbox.limits import Limits
-from sandbox.remote import (
+from sandbox.fusion_schema import (
     CommandRunResult,
     CommandRunStatus,
     RunCodeRequest,
@@ -67,6 +67,7 @@ from sandbox.remote import (
     RunStatus,
     status_message,
 )
+from sandbox.limits import Limits
 from sandbox.request import (
     LANGUAGES,
     MAX_CODE_BYTES,
@@ -78,6 +79,8 @@ from sandbox.request import (
 from sandbox.result import ExecResult, ExecStatus
 
 logger = logging.getLogger(__name__)
+_uvicorn_log = logging.getLogger("uvicorn.error")
+"""Lifecycle lines go where uvicorn writes its own, which `serve` configures to show."""
 
 MAX_BODY_BYTES = 2 * MAX_CODE_BYTES + 2 * MAX_STDIN_BYTES + 2 * MAX_FILES_BYTES
 """Largest request body read: room for every input at its cap, base64 and JSON escaping included."""
@@ -131,11 +134,9 @@ class _BodyLimit:
             await self.app(scope, receive, send)
             return
         too_large = JSONResponse({"detail": f"request body larger than {self.max_bytes} bytes"}, 413)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            status = 413 if declared.isdigit() else 400
-            answer = too_large if status == 413 else JSONResponse({"detail": "bad Content-Length"}, 400)
-            await answer(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:  # uvicorn refuses a malformed one
+            await too_large(scope, receive, send)
             return
         body = bytearray()
         while True:
@@ -203,6 +204,14 @@ def _decode_files(files: dict[str, str | None]) -> dict[str, bytes]:
     return decoded
 
 
+def _check_text(what: str, text: str) -> bytes:
+    # JSON may carry lone surrogates ("\\ud800"); no program, path or pipe can take them.
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise fastapi.HTTPException(422, f"{what} is not valid Unicode text: {error}") from None
+
+
 def _limits(body: RunCodeRequest, ceiling: Limits) -> Limits:
     memory = ceiling.memory_mb if body.memory_limit_mb <= 0 else min(body.memory_limit_mb, ceiling.memory_mb)
     try:
@@ -217,19 +226,42 @@ def create_app(
     *,
     max_queue: int | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    close_on_shutdown: bool = False,
 ) -> fastapi.FastAPI:
-    """The ASGI app serving `sandbox`; `sandbox.limits` are the most a request may ask for."""
+    """The ASGI app serving `sandbox`; `sandbox.limits` are the most a request may ask for.
+
+    With `close_on_shutdown` the app owns the sandbox and closes it when the server shuts down.
+    """
     gate = _Gate(max_concurrency, max_queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: fastapi.FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if close_on_shutdown:
+                # Here and not after uvicorn returns: on SIGTERM uvicorn re-raises the signal once
+                # it has shut down, and the process ends before any code after it would run.
+                await sandbox.aclose()
+                _uvicorn_log.info("Closed the %s sandbox", sandbox.backend_name)
+
     app = fastapi.FastAPI(
         title="pacerl sandbox",
         summary="A SandboxFusion-compatible /run_code service",
         description=__doc__,
+        lifespan=lifespan,
     )
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: fastapi.Request, error: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": _validation_detail(error)}, status_code=422)
+        detail = _validation_detail(error)
+        content_type = request.headers.get("content-type", "")
+        if "json" not in content_type:
+            # FastAPI reads a body of any other type as a string, and says only "not a dictionary".
+            hint = f"the body must be JSON sent with Content-Type: application/json (got {content_type!r})"
+            detail.insert(0, {"loc": ["header", "content-type"], "msg": hint, "type": "content_type"})
+        return JSONResponse({"detail": detail}, status_code=422)
 
     @app.post("/run_code", response_model=RunCodeResponse, tags=["sandbox"])
     async def run_code(body: RunCodeRequest) -> RunCodeResponse:
@@ -241,11 +273,11 @@ def create_app(
             )
         if body.fetch_files:
             return _refusal("fetch_files is not supported by this server: the sandbox returns no files")
+        _check_text("code", body.code)
+        for path in body.files:
+            _check_text(f"file path {path!r}", path)
         files = _decode_files(body.files)
-        try:
-            stdin = (body.stdin or "").encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise fastapi.HTTPException(422, f"stdin is not valid Unicode text: {error}") from None
+        stdin = _check_text("stdin", body.stdin or "")
         limits = _limits(body, sandbox.limits)
         try:
             # Validate now, so a request that can never run is refused without waiting for a slot.
@@ -288,10 +320,13 @@ def serve(
     limits: Limits,
     options: dict[str, object],
 ) -> None:
-    """Run the server until SIGINT/SIGTERM, then close the sandbox (warm sandboxes and all)."""
+    """Run the server until SIGINT/SIGTERM, then close the sandbox (warm sandboxes and all).
+
+    As uvicorn does, a SIGTERM is re-raised after the graceful shutdown, so the process ends by it.
+    """
     sandbox = Sandbox(backend, limits=limits, **options)
     try:
-        app = create_app(sandbox, max_concurrency)
+        app = create_app(sandbox, max_concurrency, close_on_shutdown=True)
         uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
     finally:
-        sandbox.close()
+        sandbox.close()  # when startup failed before the app's shutdown could run; idempotent

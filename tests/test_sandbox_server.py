@@ -1,0 +1,561 @@
+"""The SandboxFusion-compatible server and the `remote` backend, over real HTTP on 127.0.0.1.
+
+One server is the CLI (`pacerl serve sandbox`, a subprocess over the local backend); servers with
+other settings (concurrency, queue, body cap, a misbehaving fake) run uvicorn on a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fastapi
+import httpx
+import psutil
+import pytest
+import uvicorn
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from sandbox import ExecStatus, Limits, Sandbox, SandboxUsageError
+from sandbox.remote import RemoteOptions
+from sandbox.request import MAX_CODE_BYTES
+from sandbox.server import create_app
+
+SERVER_TIMEOUT_S = 2.0
+"""The CLI server's --timeout: the most any request may run."""
+
+RESPONSE_KEYS = {"status", "message", "compile_result", "run_result", "executor_pod_name", "files"}
+RUN_RESULT_KEYS = {"status", "execution_time", "return_code", "stdout", "stderr"}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def wait_for_ping(url: str, process: subprocess.Popen[bytes], log: Path, within_s: float = 30) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}: {log.read_text()}")
+        try:
+            if httpx.get(f"{url}/v1/ping", timeout=1).json() == "pong":
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"no server answered at {url} within {within_s} s")
+
+
+def start_cli_server(port: int, log: Path) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "pacerl.cli", "serve", "sandbox", "--backend", "local"]
+    argv += ["--port", str(port), "--max-concurrency", "4", "--timeout", str(SERVER_TIMEOUT_S)]
+    with log.open("wb") as sink:
+        process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
+    wait_for_ping(f"http://127.0.0.1:{port}", process, log)
+    return process
+
+
+class ThreadServer:
+    """uvicorn serving `app` on a daemon thread of this process."""
+
+    def __init__(self, app: fastapi.FastAPI, port: int) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.url = f"http://127.0.0.1:{port}"
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ThreadServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"uvicorn did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def cli_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A `pacerl serve sandbox` subprocess shared by the module."""
+    port = free_port()
+    process = start_cli_server(port, tmp_path_factory.mktemp("server") / "server.log")
+    yield f"http://127.0.0.1:{port}"
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def remote(cli_url: str) -> Iterator[Sandbox]:
+    with Sandbox("remote", url=cli_url) as sandbox:
+        yield sandbox
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[Sandbox]:
+    """A local sandbox for the thread servers."""
+    with Sandbox("local", limits=Limits(timeout_s=SERVER_TIMEOUT_S)) as sandbox:
+        yield sandbox
+
+
+def post(url: str, **request: Any) -> httpx.Response:
+    return httpx.post(f"{url}/run_code", timeout=30, **request)
+
+
+# -- the CLI path ------------------------------------------------------------------------------------------
+
+
+def test_cli_server_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "server.log"
+    process = start_cli_server(port, log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        health = httpx.get(f"{url}/health", timeout=5).json()
+        assert health["status"] == "ok" and health["backend"] == "local"
+        assert health["languages"] == ["python", "bash"] and health["max_concurrency"] == 4
+        answer = post(url, json={"code": "print(6 * 7)", "language": "python"}).json()
+        assert answer["status"] == "Success" and answer["run_result"]["stdout"] == "42\n"
+        sandboxes = psutil.Process(process.pid).children(recursive=True)
+        assert sandboxes, "the local backend keeps warm sandboxes as children of the server"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=30)
+    output = log.read_text()
+    # uvicorn shuts down gracefully, then re-raises the SIGTERM so the process ends by it.
+    assert returncode == -signal.SIGTERM, output
+    assert "Traceback" not in output and "Finished server process" in output, output
+    assert "Closed the local sandbox" in output, output
+    _, alive = psutil.wait_procs(sandboxes, timeout=10)
+    assert not alive, f"sandboxes outlived the server: {alive}"
+
+
+# -- the remote backend against the CLI server -------------------------------------------------------------
+
+
+def test_remote_round_trips_ok_error_and_timeout(remote: Sandbox) -> None:
+    ok = remote.run("print('hi')")
+    assert (ok.status, ok.exit_code, ok.stdout, ok.stderr) == (ExecStatus.OK, 0, "hi\n", "")
+    assert ok.duration_s > 0
+
+    failed = remote.run("import sys\nprint('partial')\nsys.exit(3)")
+    assert (failed.status, failed.exit_code, failed.stdout) == (ExecStatus.ERROR, 3, "partial\n")
+    assert failed.reason == "exit code 3"
+
+    raised = remote.run("1 / 0")
+    assert raised.status is ExecStatus.ERROR and "ZeroDivisionError" in raised.stderr
+
+    started = time.monotonic()
+    slow = remote.run("import time\ntime.sleep(30)", limits=Limits(timeout_s=0.5))
+    assert slow.status is ExecStatus.TIMEOUT and slow.exit_code is None, slow
+    assert "0.5 s" in slow.reason
+    assert time.monotonic() - started < 5
+
+
+def test_remote_passes_stdin_and_files_to_python_and_bash(remote: Sandbox) -> None:
+    files: dict[str, str | bytes] = {"data/in.txt": "from a file\n", "blob.bin": bytes(range(256))}
+    code = (
+        "import hashlib\n"
+        "print(input().upper())\n"
+        "print(open('data/in.txt').read(), end='')\n"
+        "print(hashlib.sha256(open('blob.bin', 'rb').read()).hexdigest())\n"
+    )
+    result = remote.run(code, stdin="shout\n", files=files)
+    digest = hashlib.sha256(bytes(range(256))).hexdigest()
+    assert result.status is ExecStatus.OK, result
+    assert result.stdout == f"SHOUT\nfrom a file\n{digest}\n"
+
+    bash = remote.run('read name; echo "hello $name"; cat data/in.txt', "bash", stdin="bash\n", files=files)
+    assert (bash.status, bash.stdout) == (ExecStatus.OK, "hello bash\nfrom a file\n"), bash
+
+
+def test_remote_reads_memory_and_output_limit_verdicts(remote: Sandbox) -> None:
+    hog = remote.run("block = bytearray(300 * 1024 * 1024)", limits=Limits(memory_mb=64))
+    assert hog.status is ExecStatus.MEMORY and hog.reason == "memory limit exceeded", hog
+    assert "MemoryError" in hog.stderr
+
+    flood = remote.run("import sys\nsys.stdout.write('x' * 9_000_000)")
+    assert flood.status is ExecStatus.OUTPUT_LIMIT and flood.exit_code is None, flood.reason
+    assert flood.stdout_truncated and "more bytes truncated" in flood.stdout
+
+
+def test_remote_caps_output_at_the_callers_limit(remote: Sandbox) -> None:
+    small = remote.run("print('y' * 1000)", limits=Limits(output_cap_bytes=100))
+    assert small.status is ExecStatus.OK and small.stdout_truncated and not small.stderr_truncated
+    assert small.stdout.startswith("y" * 100)
+    assert small.stdout.endswith("[... 901 more bytes truncated by the sandbox ...]\n")
+
+    # Past the server's own cap (the default 16 KiB) the server's marker is folded into the count.
+    big = remote.run("print('z' * 20_000)")
+    assert big.stdout_truncated
+    assert big.stdout.endswith(f"[... {20_001 - 16_384} more bytes truncated by the sandbox ...]\n")
+
+
+def test_remote_refuses_binary_stdin_loudly(remote: Sandbox) -> None:
+    with pytest.raises(SandboxUsageError, match="stdin as text"):
+        remote.run("print(1)", stdin=b"\xff\xfe")
+
+
+# -- the exact SandboxFusion shapes ------------------------------------------------------------------------
+
+
+def test_success_has_the_exact_sandboxfusion_shape(cli_url: str) -> None:
+    request = {
+        "code": "import sys\nprint(sys.stdin.read().strip()[::-1])",
+        "language": "python",
+        "compile_timeout": 10,
+        "run_timeout": 5,
+        "memory_limit_MB": -1,
+        "stdin": "olleh",
+        "files": {},
+        "fetch_files": [],
+    }
+    response = post(cli_url, json=request)
+    assert response.status_code == 200
+    body = response.json()
+    assert set(body) == RESPONSE_KEYS and set(body["run_result"]) == RUN_RESULT_KEYS
+    assert body["status"] == "Success" and body["message"] == ""
+    assert body["compile_result"] is None and body["executor_pod_name"] is None and body["files"] == {}
+    run = body["run_result"]
+    assert (run["status"], run["return_code"], run["stdout"], run["stderr"]) == ("Finished", 0, "hello\n", "")
+    assert isinstance(run["execution_time"], float) and run["execution_time"] > 0
+
+
+def test_failures_map_to_sandboxfusion_verdicts(cli_url: str) -> None:
+    def run(**request: Any) -> dict[str, Any]:
+        response = post(cli_url, json={"language": "python", **request})
+        assert response.status_code == 200, response.text
+        body: dict[str, Any] = response.json()
+        assert set(body) == RESPONSE_KEYS
+        return body
+
+    failed = run(code="raise SystemExit(4)")
+    assert (failed["status"], failed["run_result"]["status"]) == ("Failed", "Finished")
+    assert failed["run_result"]["return_code"] == 4 and failed["message"] == "[error] exit code 4"
+
+    killed = run(code="import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert killed["status"] == "Failed" and killed["run_result"]["return_code"] == -9
+
+    slow = run(code="import time\ntime.sleep(30)", run_timeout=0.5)
+    assert slow["status"] == "Failed" and slow["message"].startswith("[timeout] ")
+    assert slow["run_result"]["status"] == "TimeLimitExceeded" and slow["run_result"]["return_code"] is None
+
+    # memory_limit_MB above the server's maximum (512) is capped: a 1 GiB allocation still fails.
+    hog = run(code="block = bytearray(1024 ** 3)", memory_limit_MB=100_000)
+    assert (hog["status"], hog["run_result"]["status"]) == ("Failed", "Finished")
+    assert hog["message"] == "[memory] memory limit exceeded" and hog["run_result"]["return_code"] == 1
+
+    flood = run(code="import sys\nsys.stdout.write('x' * 9_000_000)")
+    assert flood["status"] == "Failed" and flood["message"] == "[output_limit] output limit exceeded"
+    assert flood["run_result"]["status"] == "Finished" and flood["run_result"]["return_code"] is None
+
+    bash = run(code="echo out; echo err >&2; exit 2", language="bash")
+    assert bash["run_result"]["stdout"] == "out\n" and bash["run_result"]["stderr"] == "err\n"
+    assert bash["status"] == "Failed" and bash["run_result"]["return_code"] == 2
+
+    # Files with null content are skipped, as SandboxFusion skips them.
+    files = {"a.txt": base64.b64encode(b"A").decode(), "skipped.txt": None}
+    listing = run(
+        code="import os\nprint(sorted(f for f in os.listdir('.') if f.endswith('.txt')))", files=files
+    )
+    assert listing["run_result"]["stdout"] == "['a.txt']\n"
+
+
+def test_run_timeout_is_capped_at_the_server_maximum(cli_url: str) -> None:
+    started = time.monotonic()
+    body = post(
+        cli_url, json={"code": "import time\ntime.sleep(30)", "language": "python", "run_timeout": 600}
+    )
+    assert time.monotonic() - started < SERVER_TIMEOUT_S + 3
+    answer = body.json()
+    assert answer["run_result"]["status"] == "TimeLimitExceeded"
+    assert answer["message"] == f"[timeout] wall-clock limit of {SERVER_TIMEOUT_S:g} s exceeded"
+
+
+def test_valid_requests_this_server_cannot_serve_are_sandbox_errors(cli_url: str) -> None:
+    cpp = post(cli_url, json={"code": "int main() {}", "language": "cpp"})
+    assert cpp.status_code == 200
+    assert cpp.json()["status"] == "SandboxError" and "supported: python, bash" in cpp.json()["message"]
+    assert set(cpp.json()) == RESPONSE_KEYS and cpp.json()["run_result"] is None
+
+    fetch = post(cli_url, json={"code": "print(1)", "language": "python", "fetch_files": ["out.txt"]})
+    assert fetch.json()["status"] == "SandboxError" and "fetch_files" in fetch.json()["message"]
+
+
+def test_ping_and_health(cli_url: str) -> None:
+    ping = httpx.get(f"{cli_url}/v1/ping", timeout=5)
+    assert ping.status_code == 200 and ping.json() == "pong"
+    health = httpx.get(f"{cli_url}/health", timeout=5).json()
+    assert health["running"] == 0 and health["waiting"] == 0
+
+
+# -- malformed requests ------------------------------------------------------------------------------------
+
+JSON = {"content-type": "application/json"}
+MALFORMED: list[tuple[str, dict[str, Any], int, str]] = [
+    ("not JSON", {"content": b"print(1)", "headers": JSON}, 422, "JSON decode error"),
+    ("not UTF-8", {"content": b"\xff\xfe{}", "headers": JSON}, 422, "JSON decode error"),
+    ("form body", {"content": b"code=print(1)"}, 422, "Content-Type: application/json"),
+    ("deeply nested", {"content": b"[" * 100_000, "headers": JSON}, 400, "error parsing the body"),
+    ("a JSON array", {"json": ["print(1)", "python"]}, 422, "valid dictionary"),
+    ("empty object", {"json": {}}, 422, '"code"'),
+    ("no language", {"json": {"code": "print(1)"}}, 422, '"language"'),
+    ("code not a string", {"json": {"code": 123, "language": "python"}}, 422, "valid string"),
+    ("unknown language", {"json": {"code": "x", "language": "klingon"}}, 422, "'python', 'cpp'"),
+    ("NUL in code", {"json": {"code": "print(1)\x00", "language": "python"}}, 422, "NUL byte"),
+    ("code too large", {"json": {"code": "#" * (MAX_CODE_BYTES + 1), "language": "python"}}, 422, "cap"),
+    ("lone surrogate", {"content": b'{"code": "\\ud800", "language": "python"}', "headers": JSON}, 422,
+     "not valid Unicode"),
+    ("stdin surrogate", {"content": b'{"code": "", "language": "bash", "stdin": "\\udc80"}', "headers": JSON},
+     422, "stdin is not valid Unicode"),
+    ("stdin not text", {"json": {"code": "", "language": "python", "stdin": [1]}}, 422, "valid string"),
+    ("bad base64", {"json": {"code": "", "language": "python", "files": {"a": "!!nope"}}}, 422, "base64"),
+    ("files a list", {"json": {"code": "", "language": "python", "files": ["a"]}}, 422, "valid dictionary"),
+    ("escaping path", {"json": {"code": "", "language": "python", "files": {"../x": "eA=="}}}, 422,
+     "inside the work directory"),
+    ("negative timeout", {"json": {"code": "", "language": "python", "run_timeout": -1}}, 422,
+     "greater than 0"),
+    ("timeout not a number", {"json": {"code": "", "language": "python", "run_timeout": "soon"}}, 422,
+     "valid number"),
+    ("NaN timeout", {"content": b'{"code": "", "language": "python", "run_timeout": NaN}', "headers": JSON},
+     422, "finite number"),
+    ("tiny memory", {"json": {"code": "", "language": "python", "memory_limit_MB": 8}}, 422,
+     "memory_limit_MB must be -1 or >= 32"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "request_", "status", "says"), MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_requests_get_4xx_with_a_message(
+    cli_url: str, case: str, request_: dict[str, Any], status: int, says: str
+) -> None:
+    response = post(cli_url, **request_)
+    assert response.status_code == status, (case, response.status_code, response.text[:500])
+    assert response.json()["detail"], case
+    assert says in response.text, (case, response.text[:500])
+    assert len(response.content) < 20_000, "errors must not echo the input back"
+
+
+def test_oversized_bodies_are_refused_before_parsing(local: Sandbox) -> None:
+    with ThreadServer(create_app(local, 2, max_body_bytes=10_000), free_port()) as server:
+        declared = post(server.url, json={"code": "#" * 20_000, "language": "python"})
+        assert declared.status_code == 413 and "10000 bytes" in declared.json()["detail"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the server has to count
+            yield b'{"code": "'
+            for _ in range(20):
+                yield b"#" * 1000
+            yield b'", "language": "python"}'
+
+        streamed = post(server.url, content=chunks(), headers=JSON)
+        assert streamed.status_code == 413
+        assert post(server.url, json={"code": "print(1)", "language": "python"}).json()["status"] == "Success"
+
+
+# -- concurrency -------------------------------------------------------------------------------------------
+
+
+async def _post_all(url: str, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return list(await asyncio.gather(*(client.post(f"{url}/run_code", json=b) for b in bodies)))
+
+
+def test_concurrency_limit_holds(local: Sandbox) -> None:
+    nap = {"code": "import time\ntime.sleep(0.5)", "language": "python"}
+    with ThreadServer(create_app(local, 2), free_port()) as server:
+        started = time.monotonic()
+        answers = asyncio.run(_post_all(server.url, [nap] * 4))
+        elapsed = time.monotonic() - started
+    assert [a.json()["status"] for a in answers] == ["Success"] * 4
+    assert 0.95 <= elapsed < 1.9, f"4 naps of 0.5 s, 2 at a time, took {elapsed:.2f} s"
+
+
+def test_queue_cap_answers_503_at_once(local: Sandbox) -> None:
+    nap = {"code": "import time\ntime.sleep(1)", "language": "python"}
+    with ThreadServer(create_app(local, 1, max_queue=1), free_port()) as server:
+
+        async def scenario() -> tuple[list[httpx.Response], httpx.Response, float]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                first = asyncio.ensure_future(client.post(f"{server.url}/run_code", json=nap))
+                await _until(client, server.url, running=1, waiting=0)
+                second = asyncio.ensure_future(client.post(f"{server.url}/run_code", json=nap))
+                await _until(client, server.url, running=1, waiting=1)
+                started = time.monotonic()
+                third = await client.post(f"{server.url}/run_code", json=nap)
+                refused_after = time.monotonic() - started
+                return list(await asyncio.gather(first, second)), third, refused_after
+
+        served, refused, refused_after = asyncio.run(scenario())
+    assert [a.json()["status"] for a in served] == ["Success", "Success"]
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert "queued" in refused.json()["detail"] and refused_after < 0.5
+
+
+async def _until(client: httpx.AsyncClient, url: str, **expected: int) -> None:
+    for _ in range(200):
+        health = (await client.get(f"{url}/health")).json()
+        if all(health[key] == value for key, value in expected.items()):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the server never reached {expected}")
+
+
+# -- a dead or misbehaving service -------------------------------------------------------------------------
+
+
+def test_dead_server_is_a_quick_sandbox_error_and_recovery_is_automatic(local: Sandbox) -> None:
+    port = free_port()  # nothing listens here yet
+    url = f"http://127.0.0.1:{port}"
+    with Sandbox("remote", url=url, retries=2, backoff_s=0.05) as remote:
+        started = time.monotonic()
+        down = remote.run("print('hi')")
+        assert time.monotonic() - started < 2
+        assert down.status is ExecStatus.SANDBOX_ERROR and down.exit_code is None
+        assert f"127.0.0.1:{port}" in down.reason and "ConnectError" in down.reason
+        assert "after 3 attempts" in down.reason
+
+        with ThreadServer(create_app(local, 2), port):
+            up = remote.run("print('hi')")
+        assert (up.status, up.stdout) == (ExecStatus.OK, "hi\n"), up
+
+
+def _misbehaving_app(hits: dict[str, int]) -> fastapi.FastAPI:
+    app = fastapi.FastAPI()
+
+    def count(name: str) -> None:
+        hits[name] = hits.get(name, 0) + 1
+
+    @app.post("/garbage/run_code")
+    async def garbage() -> PlainTextResponse:
+        count("garbage")
+        return PlainTextResponse("<html>definitely not JSON</html>")
+
+    @app.post("/wrong/run_code")
+    async def wrong() -> JSONResponse:
+        count("wrong")
+        return JSONResponse({"status": "Splendid", "message": ""})
+
+    @app.post("/busy/run_code")
+    async def busy() -> JSONResponse:
+        count("busy")
+        return JSONResponse({"detail": "overloaded"}, status_code=503)
+
+    @app.post("/refuse/run_code")
+    async def refuse() -> JSONResponse:
+        count("refuse")
+        return JSONResponse({"detail": "nope"}, status_code=422)
+
+    @app.post("/slow/run_code")
+    async def slow() -> JSONResponse:
+        count("slow")
+        await asyncio.sleep(1.5)  # past the client's 0.5 s run + 0.3 s slack
+        return JSONResponse({})
+
+    return app
+
+
+def test_misbehaving_services_become_sandbox_errors(local: Sandbox) -> None:
+    hits: dict[str, int] = {}
+    with ThreadServer(_misbehaving_app(hits), free_port()) as server:
+
+        def run(path: str, **options: Any) -> tuple[Any, float]:
+            started = time.monotonic()
+            with Sandbox("remote", url=f"{server.url}/{path}", backoff_s=0.01, **options) as remote:
+                result = remote.run("print(1)", limits=Limits(timeout_s=0.5))
+            return result, time.monotonic() - started
+
+        garbage, _ = run("garbage")
+        assert garbage.status is ExecStatus.SANDBOX_ERROR and "not a SandboxFusion response" in garbage.reason
+        wrong, _ = run("wrong")
+        assert wrong.status is ExecStatus.SANDBOX_ERROR and "status" in wrong.reason
+        busy, _ = run("busy", retries=3)
+        assert busy.status is ExecStatus.SANDBOX_ERROR and "HTTP 503" in busy.reason
+        refused, _ = run("refuse", retries=3)
+        assert (
+            refused.status is ExecStatus.SANDBOX_ERROR and "refused the request (HTTP 422)" in refused.reason
+        )
+        slow, took = run("slow", request_timeout_slack_s=0.3, retries=3)
+        assert slow.status is ExecStatus.SANDBOX_ERROR and "no answer within" in slow.reason
+        assert took < 2.5, "a slow answer is not waited for past the run's timeout plus slack, nor retried"
+    assert hits == {"garbage": 1, "wrong": 1, "busy": 4, "refuse": 1, "slow": 1}
+
+
+def test_remote_options_are_validated_and_the_endpoint_normalised() -> None:
+    assert RemoteOptions(url="http://h:1/").endpoint == "http://h:1/run_code"
+    assert RemoteOptions(url="http://h:1/run_code").endpoint == "http://h:1/run_code"
+    for bad in ("h:1", "http://", "ftp://h/", "http://[::1"):
+        with pytest.raises(ValueError, match="url"):
+            RemoteOptions(url=bad)
+    with pytest.raises(ValueError, match="retries"):
+        RemoteOptions(retries=-1)
+    with pytest.raises(ValueError, match="unknown option"):
+        Sandbox("remote", endpoint="http://h:1")
+
+
+# -- sessions by replay ------------------------------------------------------------------------------------
+
+
+def test_remote_session_keeps_state_by_replay(remote: Sandbox) -> None:
+    with remote.session(Limits(timeout_s=1)) as session:
+        first = session.run("x = 40\nprint('defined')")
+        assert (first.status, first.stdout) == (ExecStatus.OK, "defined\n"), first
+        second = session.run("x += 2\nx")  # the first cell's print is replayed silently
+        assert (second.stdout, second.stderr) == ("42\n", ""), second
+        assert session.run("def f(n):\n    return n * x\nf(2)").stdout == "84\n"
+
+        failed = session.run("y = 1\n1 / 0")
+        assert failed.status is ExecStatus.ERROR and failed.exit_code == 1
+        assert "ZeroDivisionError" in failed.stderr and "<cell" in failed.stderr
+        assert "run_cell" not in failed.stderr  # the driver's own frames are hidden
+
+        loop = session.run("print('before')\nwhile True:\n    pass")
+        assert loop.status is ExecStatus.TIMEOUT and loop.stdout == "before\n", loop
+
+        assert session.run("name = input()", stdin="ada\n").ok
+        after = session.run("print(x, name, 'y' in globals())")  # failed cells are not kept
+        assert after.stdout == "42 ada False\n", after
+
+        session.reset()
+        forgotten = session.run("x")
+        assert forgotten.status is ExecStatus.ERROR and "NameError" in forgotten.stderr
+
+
+def test_remote_session_reports_a_replay_that_diverges(remote: Sandbox) -> None:
+    with remote.session(Limits(timeout_s=1)) as session:
+        assert session.run("kept = 1").ok
+        deadline = time.time() + 1.0
+        assert session.run(f"import time\nassert time.time() < {deadline}").ok
+        time.sleep(max(0.0, deadline - time.time()) + 0.1)
+        broken = session.run("print(kept)")
+        assert broken.status is ExecStatus.SANDBOX_ERROR, broken
+        assert "replaying cell 2 failed (AssertionError" in broken.reason
+        assert "did not run" in broken.reason
+        assert session.run("print(kept)").stdout == "1\n"  # cells before the divergence survive
+
+
+def test_remote_session_output_cap_and_unstoppable_cell(remote: Sandbox) -> None:
+    with remote.session(Limits(timeout_s=0.5, output_cap_bytes=100)) as session:
+        loud = session.run("print('w' * 1000)")
+        assert loud.ok and loud.stdout_truncated
+        assert loud.stdout.endswith("[... 901 more bytes truncated by the sandbox ...]\n")
+        code = "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\ntime.sleep(30)"
+        started = time.monotonic()
+        stuck = session.run(code)
+        assert stuck.status is ExecStatus.TIMEOUT and "was not kept" in stuck.reason, stuck
+        assert time.monotonic() - started < SERVER_TIMEOUT_S + 3  # bounded by the server's maximum
+        assert session.run("1 + 1").stdout == "2\n"
