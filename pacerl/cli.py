@@ -11,10 +11,15 @@ from pathlib import Path
 from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
 
 
-def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+def _add_limit_flags(parser: argparse.ArgumentParser, per_request_maximum: bool = False) -> None:
     defaults = Limits()
-    parser.add_argument("--timeout", type=float, default=defaults.timeout_s, help="wall-clock seconds")
-    parser.add_argument("--memory-mb", type=int, default=defaults.memory_mb, help="address-space MiB")
+    suffix = " (the most a request may ask for)" if per_request_maximum else ""
+    parser.add_argument(
+        "--timeout", type=float, default=defaults.timeout_s, help="wall-clock seconds" + suffix
+    )
+    parser.add_argument(
+        "--memory-mb", type=int, default=defaults.memory_mb, help="address-space MiB" + suffix
+    )
     parser.add_argument("--max-processes", type=int, default=defaults.max_processes)
     parser.add_argument("--output-cap", type=int, default=defaults.output_cap_bytes, help="bytes kept")
 
@@ -63,6 +68,7 @@ def cmd_serve_sandbox(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         limits=_limits(args),
         options=_backend_options(args.option),
+        max_queue=args.max_queue,
     )
     return 0
 
@@ -102,8 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve_sandbox.add_argument("--host", default="127.0.0.1")
     serve_sandbox.add_argument("--port", type=int, default=8080)
     serve_sandbox.add_argument("--max-concurrency", type=int, default=8, help="runs at once; more wait")
+    serve_sandbox.add_argument(
+        "--max-queue", type=int, default=None, help="requests allowed to wait; beyond it HTTP 503 at once"
+    )
     serve_sandbox.add_argument("--option", action="append", default=[], help="backend option key=value")
-    _add_limit_flags(serve_sandbox)
+    _add_limit_flags(serve_sandbox, per_request_maximum=True)
     serve_sandbox.set_defaults(handler=cmd_serve_sandbox)
     return parser
 

@@ -41,11 +41,15 @@ def run_demo(backend: str = "local", problems: int = 4, seed: int = 0) -> int:
                 result = None
                 for turn, code in enumerate(_scripted_turns(a, b, c), start=1):
                     result = session.run(code)
-                    console.print(f"  turn {turn}: [cyan]{code.splitlines()[0]} ...[/] -> {result.stdout.strip()}")
+                    console.print(
+                        f"  turn {turn}: [cyan]{code.splitlines()[0]} ...[/] -> {result.stdout.strip()}"
+                    )
                 answer = result.stdout.strip() if result else ""
                 correct = answer == str(a * b + c)
                 solved += correct
-                console.print(f"  answer \\boxed{{{answer}}}: {'[green]correct' if correct else '[red]wrong'}")
+                console.print(
+                    f"  answer \\boxed{{{answer}}}: {'[green]correct' if correct else '[red]wrong'}"
+                )
 
         table = Table(title="hostile code, contained")
         for column in ("attack", "status", "reason / output", "seconds"):

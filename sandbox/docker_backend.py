@@ -252,7 +252,8 @@ class DockerBackend:
         self._slots = asyncio.Semaphore(self.options.max_concurrency)
         self._warm: list[_Box] = []
         self._pool_shape = _Shape.of(Limits())
-        self._filling: set[asyncio.Task[None]] = set()
+        self._starting: list[tuple[_Shape, asyncio.Task[_Box]]] = []
+        """Pool boxes being started, not yet claimed by a run."""
         self._removing: set[asyncio.Task[None]] = set()
         self._sessions: set[DockerSession] = set()
         self._created_any = False
@@ -398,33 +399,41 @@ class DockerBackend:
             return False
         return True
 
-    async def _fill(self) -> None:
-        # Runs until the pool holds `warm_pool` boxes of the shape runs last asked for (aclose cancels
-        # it and discards what it made). A failed start ends it silently: the next run starts cold and
-        # reports the failure, and refills again.
-        while True:
-            shape = self._pool_shape
-            missing = self.options.warm_pool - sum(box.shape == shape for box in self._warm)
-            if missing <= 0:
-                return
-            started = await asyncio.gather(
-                *(self._start_box(shape, "oneshot", "-1", "-") for _ in range(missing)),
-                return_exceptions=True,
-            )
-            boxes = [box for box in started if isinstance(box, _Box)]
-            self._warm += boxes
-            while len(self._warm) > self.options.warm_pool:  # boxes of an older shape go first
-                stale = next((box for box in self._warm if box.shape != shape), self._warm[0])
-                self._warm.remove(stale)
-                self._dispose(stale)
-            if len(boxes) < missing:
-                return
-
     def _refill(self) -> None:
-        if self.options.warm_pool and not self._closed and not self._filling:
-            task = asyncio.get_running_loop().create_task(self._fill())
-            self._filling.add(task)
-            task.add_done_callback(self._filling.discard)
+        """Start boxes until warm plus starting ones of the wanted shape make `warm_pool`.
+
+        A start that fails is dropped silently: the next run then starts cold, reports the failure,
+        and calls this again. No task loops here, so a dead daemon costs one failed call per slot.
+        """
+        if self._closed:
+            return
+        shape = self._pool_shape
+        have = sum(box.shape == shape for box in self._warm) + sum(s == shape for s, _ in self._starting)
+        for _ in range(self.options.warm_pool - have):
+            task = asyncio.get_running_loop().create_task(self._start_box(shape, "oneshot", "-1", "-"))
+            entry = (shape, task)
+            self._starting.append(entry)
+            task.add_done_callback(functools.partial(self._landed, entry))
+        self._trim()
+
+    def _landed(self, entry: tuple[_Shape, asyncio.Task[_Box]], task: asyncio.Task[_Box]) -> None:
+        if entry not in self._starting:
+            return  # a run claimed it while it was starting
+        self._starting.remove(entry)
+        if task.cancelled() or task.exception() is not None:
+            return
+        self._warm.append(task.result())
+        self._trim()
+
+    def _trim(self) -> None:
+        """Dispose of warm boxes of shapes no run asks for any more, beyond the pool's size."""
+        shape = self._pool_shape
+        while len(self._warm) + len(self._starting) > self.options.warm_pool:
+            stale = next((box for box in self._warm if box.shape != shape), None)
+            if stale is None:
+                return
+            self._warm.remove(stale)
+            self._dispose(stale)
 
     def _discard_warm(self) -> None:
         warm, self._warm = self._warm, []
@@ -434,15 +443,29 @@ class DockerBackend:
     async def _take_box(self, limits: Limits) -> _Box:
         shape = _Shape.of(limits)
         self._pool_shape = shape  # the pool follows what runs ask for
-        for box in list(self._warm):
-            if box.shape == shape:
-                self._warm.remove(box)
-                if box.ready:
-                    self._refill()
-                    return box
-                self._dispose(box)
+        for box in [box for box in self._warm if box.shape == shape]:
+            self._warm.remove(box)
+            if box.ready:
+                self._refill()
+                return box
+            self._dispose(box)
+        # No warm box: claim one already starting for the pool rather than start yet another, which
+        # would only compete with it for the daemon's time.
+        claimed = next((entry for entry in self._starting if entry[0] == shape), None)
+        if claimed is not None:
+            self._starting.remove(claimed)
         self._refill()
-        return await self._start_box(shape, "oneshot", "-1", "-")
+        if claimed is None:
+            return await self._start_box(shape, "oneshot", "-1", "-")
+        try:
+            return await asyncio.shield(claimed[1])
+        except asyncio.CancelledError:
+            claimed[1].add_done_callback(self._dispose_started)
+            raise
+
+    def _dispose_started(self, task: asyncio.Task[_Box]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._dispose(task.result())
 
     def _unreachable(self, what: str, error: BaseException) -> str:
         detail = str(error).strip() or type(error).__name__
@@ -601,9 +624,10 @@ class DockerBackend:
 
     async def _close(self) -> None:
         self._closed = True
-        for task in list(self._filling):
+        starting, self._starting = [task for _, task in self._starting], []
+        for task in starting:
             task.cancel()
-        await asyncio.gather(*self._filling, return_exceptions=True)
+        await asyncio.gather(*starting, return_exceptions=True)
         for session in list(self._sessions):
             await session.aclose()
         self._discard_warm()

@@ -319,6 +319,7 @@ def serve(
     max_concurrency: int,
     limits: Limits,
     options: dict[str, object],
+    max_queue: int | None = None,
 ) -> None:
     """Run the server until SIGINT/SIGTERM, then close the sandbox (warm sandboxes and all).
 
@@ -326,7 +327,7 @@ def serve(
     """
     sandbox = Sandbox(backend, limits=limits, **options)
     try:
-        app = create_app(sandbox, max_concurrency, close_on_shutdown=True)
+        app = create_app(sandbox, max_concurrency, max_queue=max_queue, close_on_shutdown=True)
         uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
     finally:
         sandbox.close()  # when startup failed before the app's shutdown could run; idempotent
