@@ -1,0 +1,244 @@
+"""`ToolEnv`: a real `gymnasium.Env` whose action is the assistant's message and whose observation is
+the new chat messages; subclasses say which tools exist, how a task is posed, and how it is scored.
+
+The rollout side awaits `astep` so that hundreds of episodes step concurrently on one loop; `step` is
+its sync face. Model output never raises here: malformed calls, unknown tools, bad arguments, tool
+timeouts and dead services all become tool messages the model reads, flagged in `info`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import gymnasium
+
+from envs.parsing import Parsed, parse_actions
+from envs.rewards import Reward
+from envs.spaces import ChatMessages, Message, UnicodeText
+from envs.tasks import Task
+from envs.tools.core import Tool, ToolContext, ToolError, get_tool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ToolEnvConfig:
+    """Episode limits and tool handling, shared by every tool env."""
+
+    max_turns: int = 4
+    """Assistant messages per episode; past it the episode is truncated."""
+    max_tool_calls: int = 4
+    """Tool calls per episode; a call beyond it is refused and the episode truncated."""
+    max_context_chars: int = 32_000
+    """Characters of conversation (all messages) before the episode is truncated (the context budget)."""
+    tool_formats: tuple[str, ...] = ("hermes", "code")
+    """How tool calls are written: `hermes` <tool_call> JSON and/or fenced `code` blocks."""
+    on_tool_error: Literal["continue", "truncate"] = "continue"
+    """After a failed tool call (timeout, service down, bad call): let the model react, or end the episode."""
+    format_weight: float = 0.0
+    """Reward for a well-formed but wrong final answer (0 disables)."""
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    """Settings handed to tools (e.g. `retriever_url` for search)."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_tool_calls < 0 or self.max_context_chars < 1:
+            raise ValueError("max_turns and max_context_chars must be >= 1, max_tool_calls >= 0")
+        if self.on_tool_error not in ("continue", "truncate"):
+            raise ValueError(f"on_tool_error must be continue or truncate, got {self.on_tool_error!r}")
+
+
+class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
+    """Base class of pacerl's tool environments (see each subclass's docstring for the details)."""
+
+    metadata: dict[str, Any] = {"render_modes": ["ansi"], "render_fps": 1}  # noqa: RUF012 (Gymnasium's name)
+    tool_names: tuple[str, ...] = ()
+    """Names of the registered tools this env offers."""
+
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        config: ToolEnvConfig | None = None,
+        render_mode: str | None = None,
+    ) -> None:
+        if not tasks:
+            raise ValueError("an env needs at least one task")
+        if render_mode not in (None, "ansi"):
+            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
+        self.tasks = list(tasks)
+        self.config = config or ToolEnvConfig()
+        self.render_mode = render_mode
+        self.tools: dict[str, Tool] = {name: get_tool(name) for name in self.tool_names}
+        self.observation_space = ChatMessages()
+        self.action_space = UnicodeText()
+        self._context: ToolContext | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: Task | None = None
+        self._done = True
+        self._transcript: list[Message] = []
+        self._reset_counters()
+
+    # -- what a subclass decides -------------------------------------------------------------------------
+
+    def initial_messages(self, task: Task) -> list[Message]:
+        """The system and user messages that pose `task`."""
+        raise NotImplementedError
+
+    def score(self, task: Task, final_message: str) -> Reward:
+        """The reward of an episode whose last assistant message is `final_message`."""
+        raise NotImplementedError
+
+    # -- Gymnasium -----------------------------------------------------------------------------------
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The tools' OpenAI schemas, for the chat template."""
+        return [tool.schema() for tool in self.tools.values()]
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[tuple[Message, ...], dict[str, Any]]:
+        """Start an episode on `options["task"]` (a Task or a row dict), `options["task_id"]`, or a task
+        drawn with the env's seeded generator."""
+        super().reset(seed=seed)
+        self._release_context()
+        self._task = self._choose_task(options or {})
+        self._context = ToolContext(self.config.settings)
+        self._done = False
+        self._reset_counters()
+        observation = tuple(self.initial_messages(self._task))
+        self._chars = sum(len(m["content"]) for m in observation)
+        self._transcript = list(observation)
+        return observation, {"task_id": self._task.id, "tools": list(self.tools)}
+
+    def _choose_task(self, options: Mapping[str, Any]) -> Task:
+        if "task" in options:
+            task = options["task"]
+            return task if isinstance(task, Task) else Task.from_row(task)
+        if "task_id" in options:
+            for task in self.tasks:
+                if task.id == options["task_id"]:
+                    return task
+            raise KeyError(f"no task with id {options['task_id']!r}")
+        return self.tasks[int(self.np_random.integers(len(self.tasks)))]
+
+    def _reset_counters(self) -> None:
+        self._turns = self._tool_calls = self._tool_errors = self._chars = 0
+        self._transcript = []
+
+    def step(self, action: str) -> tuple[tuple[Message, ...], float, bool, bool, dict[str, Any]]:
+        """The sync face of `astep` (runs it on this env's own loop)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(self.astep(action))
+
+    async def astep(self, action: str) -> tuple[tuple[Message, ...], float, bool, bool, dict[str, Any]]:
+        """Take the assistant's message: run its tool calls, or end the episode on a final answer."""
+        if self._task is None or self._done:
+            raise RuntimeError("the episode has ended (or never began): call reset() first")
+        if not isinstance(action, str):
+            raise TypeError(f"an action is the assistant's message text (str), got {type(action).__name__}")
+        task = self._task
+        self._turns += 1
+        self._chars += len(action)
+        self._transcript.append({"role": "assistant", "content": action})
+        parsed = parse_actions(action, self.config.tool_formats) if self.tools else Parsed()
+        info: dict[str, Any] = {"task_id": task.id, "turn": self._turns}
+        if not parsed.attempted:  # no call: this is the final answer
+            reward = self.score(task, action)
+            self._done = True
+            await self._arelease_context()
+            return (), reward.total, True, False, self._info(info, reward, [], None)
+
+        responses, step_errors, truncation = await self._run_calls(parsed)
+        self._chars += sum(len(m["content"]) for m in responses)
+        self._transcript.extend(responses)
+        if truncation is None and step_errors and self.config.on_tool_error == "truncate":
+            truncation = "tool_error"
+        if truncation is None and self._turns >= self.config.max_turns:
+            truncation = "max_turns"
+        if truncation is None and self._chars > self.config.max_context_chars:
+            truncation = "context_budget"
+        self._done = truncation is not None
+        if self._done:
+            await self._arelease_context()
+        no_reward = Reward(0.0, 0.0, 0.0)
+        return tuple(responses), 0.0, False, self._done, self._info(info, no_reward, step_errors, truncation)
+
+    async def _run_calls(self, parsed: Parsed) -> tuple[list[Message], list[str], str | None]:
+        assert self._context is not None
+        responses: list[Message] = []
+        errors: list[str] = []
+        for problem in parsed.errors:
+            errors.append(problem.message)
+            responses.append({"role": "tool", "name": "error", "content": f"Error: {problem.message}"})
+        for call in parsed.calls:
+            if self._tool_calls >= self.config.max_tool_calls:
+                message = f"the budget of {self.config.max_tool_calls} tool calls is used up"
+                errors.append(message)
+                responses.append({"role": "tool", "name": call.name, "content": f"Error: {message}"})
+                return responses, errors, "max_tool_calls"
+            self._tool_calls += 1
+            tool = self.tools.get(call.name)
+            if tool is None:
+                message = f"unknown tool {call.name!r}; available: {', '.join(self.tools)}"
+                errors.append(message)
+                responses.append({"role": "tool", "name": call.name, "content": f"Error: {message}"})
+                continue
+            try:
+                content = await tool(call.arguments, self._context)
+            except ToolError as error:
+                errors.append(str(error))
+                content = f"Error: {error}"
+            except Exception as error:  # a bug in a tool must not cost the episode; it is logged loudly
+                log.exception("tool %s failed", call.name)
+                errors.append(f"internal error in tool {call.name}: {type(error).__name__}")
+                content = f"Error: the tool {call.name} failed internally ({type(error).__name__})"
+            responses.append({"role": "tool", "name": call.name, "content": content})
+        self._tool_errors += len(errors)
+        return responses, errors, None
+
+    def _info(
+        self, info: dict[str, Any], reward: Reward, errors: list[str], truncation: str | None
+    ) -> dict[str, Any]:
+        info.update(
+            reward_breakdown=reward.breakdown(),
+            tool_calls=self._tool_calls,
+            tool_errors=self._tool_errors,
+            step_errors=errors,
+            error=bool(errors),
+            truncation_reason=truncation,
+        )
+        return info
+
+    def render(self) -> str | None:
+        """The transcript so far as text (render_mode "ansi")."""
+        if self.render_mode != "ansi":
+            return None
+        return "\n".join(f"[{m['role']}] {m['content']}" for m in self._transcript)
+
+    async def _arelease_context(self) -> None:
+        if self._context is not None:
+            context, self._context = self._context, None
+            await context.aclose()
+
+    def _release_context(self) -> None:
+        if self._context is not None:
+            self._context.close()
+            self._context = None
+
+    @property
+    def sandbox_sessions_open(self) -> int:
+        """Sandbox sessions this episode holds right now (0 before first use and after the end)."""
+        return self._context.sessions_open if self._context is not None else 0
+
+    def close(self) -> None:
+        """Release the episode's sandbox sessions and the private loop. Idempotent."""
+        self._release_context()
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+        self._done = True
+        super().close()

@@ -1,0 +1,55 @@
+"""pacerl/Math-v0: single-turn math, no tools (the PACE paper's first setting)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from envs.base import ToolEnv, ToolEnvConfig
+from envs.rewards import Reward, boxed_math_reward
+from envs.spaces import Message
+from envs.tasks import Task, load_tasks
+
+SYSTEM_PROMPT = "Solve the problem. Give the final answer as \\boxed{...}."
+
+
+class MathEnv(ToolEnv):
+    """## Description
+    Single-turn math: one question, one answer, no tools.
+
+    ## Action
+    The assistant's message text.
+
+    ## Observation
+    The system prompt and the question on reset; an empty tuple after the (only) step.
+
+    ## Rewards
+    1 if the last `\\boxed{}` is mathematically equal to the answer (math-verify), else 0.
+
+    ## Episode End
+    Terminated after the first message.
+
+    ## Arguments
+    `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default `math-train`);
+    `config`: a `ToolEnvConfig` (its turn limit is forced to 1); `render_mode`: None or "ansi".
+
+    ## Version History
+    - v0: first version.
+    """
+
+    tool_names = ()
+
+    def __init__(
+        self,
+        tasks: str | Sequence[Task] = "math-train",
+        config: ToolEnvConfig | None = None,
+        render_mode: str | None = None,
+    ) -> None:
+        config = replace(config or ToolEnvConfig(), max_turns=1, max_tool_calls=0)
+        super().__init__(load_tasks(tasks) if isinstance(tasks, str) else tasks, config, render_mode)
+
+    def initial_messages(self, task: Task) -> list[Message]:
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.question}]
+
+    def score(self, task: Task, final_message: str) -> Reward:
+        return boxed_math_reward(final_message, task.answers, self.config.format_weight)

@@ -1,0 +1,83 @@
+"""Reward functions: pure, no I/O, each tested against hand-worked cases."""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from math_verify import parse, verify
+
+from envs.parsing import extract_boxed
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A reward and its parts (what `info["reward_breakdown"]` reports)."""
+
+    total: float
+    correctness: float
+    format: float
+    extra: Mapping[str, float] = field(default_factory=dict)
+    """Further measures an env reports without rewarding them (e.g. F1 next to exact match)."""
+
+    def breakdown(self) -> dict[str, float]:
+        return {"total": self.total, "correctness": self.correctness, "format": self.format, **self.extra}
+
+
+def math_equal(answer: str, gold: str) -> bool:
+    """Mathematical equivalence by math-verify (so `0.5`, `1/2` and `\\frac{1}{2}` agree), not strings."""
+    if not answer.strip():
+        return False
+    try:
+        parsed_gold = parse(f"${gold}$")
+        parsed_answer = parse(f"${answer}$")
+        return bool(parsed_gold and parsed_answer and verify(parsed_gold, parsed_answer))
+    except Exception:  # math-verify raises on some pathological inputs; such an answer is wrong
+        return False
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalization: lower case, no punctuation, no articles, single spaces."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def exact_match(answer: str, golds: Sequence[str]) -> float:
+    """1.0 if the normalized answer equals any normalized gold answer."""
+    normalized = normalize_answer(answer)
+    return float(any(normalized == normalize_answer(g) for g in golds))
+
+
+def f1_score(answer: str, golds: Sequence[str]) -> float:
+    """The best token-level F1 against the gold answers."""
+    predicted = normalize_answer(answer).split()
+    best = 0.0
+    for gold in golds:
+        truth = normalize_answer(gold).split()
+        common = sum((Counter(predicted) & Counter(truth)).values())
+        if common:
+            precision, recall = common / len(predicted), common / len(truth)
+            best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+def outcome_reward(correct: float, formatted: bool, format_weight: float = 0.0) -> Reward:
+    """Correctness (0..1) when the answer is well-formed; an optional small bonus for the format alone.
+
+    Nothing for a missing or malformed answer, so format cannot be gamed into reward without content.
+    """
+    if not formatted:
+        return Reward(0.0, 0.0, 0.0)
+    return Reward(correct + format_weight * (1.0 - correct), correct, 1.0)
+
+
+def boxed_math_reward(final_message: str, answers: Sequence[str], format_weight: float = 0.0) -> Reward:
+    r"""The reward of a math answer given as the last `\boxed{}` of the final message."""
+    answer = extract_boxed(final_message)
+    correct = answer is not None and any(math_equal(answer, gold) for gold in answers)
+    return outcome_reward(float(correct), answer is not None, format_weight)

@@ -1,0 +1,253 @@
+"""Tasks: the schema, loaders (JSONL, parquet, Hugging Face datasets), and seeded generators.
+
+Schema of a task file (one JSON object per line, or one parquet row):
+
+    {"id": "mul-00017", "question": "What is 482 * 93?", "answer": "44826", "level": 2, ...}
+
+`answer` is a string or a list of accepted strings (aliases); `level` is optional; any other column
+is kept in `Task.metadata`. The shipped files in envs/data/ were made by the generators below
+(`python -m envs.tasks` rewrites them; the seeds are in `SHIPPED`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+DATA_DIR = Path(str(resources.files("envs").joinpath("data")))
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem an episode poses."""
+
+    id: str
+    """Unique within its set."""
+    question: str
+    """What the user asks."""
+    answers: tuple[str, ...]
+    """Accepted answers (the first is canonical)."""
+    level: int = 0
+    """Difficulty, when the generator knows it."""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    """Every other column of the row."""
+
+    @property
+    def answer(self) -> str:
+        return self.answers[0]
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any], index: int = 0) -> Task:
+        """A task from one file row; a ValueError names the missing or mistyped column."""
+        if not isinstance(row.get("question"), str) or not row["question"].strip():
+            raise ValueError(f"row {index}: 'question' must be a non-empty string")
+        answer = row.get("answer", row.get("answers"))
+        answers = (answer,) if isinstance(answer, str | int | float) else answer
+        if not isinstance(answers, list | tuple) or not answers:
+            raise ValueError(f"row {index}: 'answer' must be a string or a non-empty list of strings")
+        known = {"id", "question", "answer", "answers", "level"}
+        return cls(
+            id=str(row.get("id", f"task-{index:05d}")),
+            question=row["question"],
+            answers=tuple(str(a) for a in answers),
+            level=int(row.get("level", 0) or 0),
+            metadata={k: v for k, v in row.items() if k not in known},
+        )
+
+    def to_row(self) -> dict[str, Any]:
+        answer: str | list[str] = self.answers[0] if len(self.answers) == 1 else list(self.answers)
+        return {
+            "id": self.id,
+            "question": self.question,
+            "answer": answer,
+            "level": self.level,
+            **self.metadata,
+        }
+
+
+def load_tasks(source: str | Path, split: str = "train") -> list[Task]:
+    """Tasks from a .jsonl or .parquet file, a shipped set's name (e.g. `codemath-val`), or a Hugging
+    Face dataset name (needs the `datasets` package and a reachable hub, or a local dataset path)."""
+    path = Path(source)
+    shipped = DATA_DIR / f"{source}.jsonl"
+    if not path.exists() and shipped.exists():
+        path = shipped
+    if path.suffix == ".jsonl" or (path.exists() and path.suffix == ".json"):
+        return _from_rows(_read_jsonl(path))
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return _from_rows(pq.read_table(path).to_pylist())
+    if path.exists() and path.is_file():
+        raise ValueError(f"{path}: task files must be .jsonl or .parquet")
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(
+            f"{source!r} is no task file or shipped set, and `datasets` is not installed"
+        ) from None
+    return _from_rows(datasets.load_dataset(str(source), split=split))
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open() as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
+    return rows
+
+
+def _from_rows(rows: Iterable[Mapping[str, Any]]) -> list[Task]:
+    tasks = [Task.from_row(row, index) for index, row in enumerate(rows)]
+    if not tasks:
+        raise ValueError("the task set is empty")
+    ids = [t.id for t in tasks]
+    if len(set(ids)) != len(ids):
+        raise ValueError("task ids must be unique")
+    return tasks
+
+
+def write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+
+
+# -- generators -----------------------------------------------------------------------------------------
+
+
+def arithmetic_tasks(
+    count: int, seed: int, levels: Sequence[int] = (1, 2, 3), prefix: str = "arith"
+) -> list[Task]:
+    """Problems a single python call solves exactly and a small model cannot do in its head.
+
+    Level 1: A*B with 2-digit operands; 2: A*B with 2-3 digits; 3: A+B*C with 2-3 digits;
+    4: A*B-C*D with 3-4 digits.
+    """
+    rng = random.Random(seed)
+    tasks = []
+    for index in range(count):
+        level = rng.choice(list(levels))
+        digits = {1: (2, 2), 2: (2, 3), 3: (2, 3), 4: (3, 4)}[level]
+
+        def number(rng: random.Random = rng, digits: tuple[int, int] = digits) -> int:
+            width = rng.randint(*digits)
+            return rng.randint(10 ** (width - 1), 10**width - 1)
+
+        if level <= 2:
+            a, b = number(), number()
+            expression, value = f"{a} * {b}", a * b
+        elif level == 3:
+            a, b, c = number(), number(), number()
+            expression, value = f"{a} + {b} * {c}", a + b * c
+        else:
+            a, b, c, d = number(), number(), number(), number()
+            expression, value = f"{a} * {b} - {c} * {d}", a * b - c * d
+        tasks.append(Task(f"{prefix}-{index:05d}", f"What is {expression}?", (str(value),), level))
+    return tasks
+
+
+_SYLLABLES = [
+    "ka",
+    "lo",
+    "mir",
+    "ven",
+    "tor",
+    "sa",
+    "quel",
+    "bri",
+    "dan",
+    "or",
+    "pha",
+    "zul",
+    "nim",
+    "ter",
+    "wyn",
+]
+_KINDS = ["city", "river", "mountain", "island", "kingdom"]
+
+
+def fact_corpus(entities: int, seed: int) -> tuple[list[dict[str, Any]], list[Task]]:
+    """A corpus about invented places (so no model knows the answers) and questions a search answers.
+
+    Each entity has one document (Search-R1 form: `{"id", "contents": '"Title"\\ntext'}`) and two
+    facts a question asks for: its founding year and the name of its founder.
+    """
+    rng = random.Random(seed)
+    names: set[str] = set()
+    while len(names) < entities:
+        names.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize())
+    documents, tasks = [], []
+    for index, name in enumerate(sorted(names)):
+        kind = rng.choice(_KINDS)
+        year = rng.randint(1100, 1990)
+        founder = "".join(rng.choice(_SYLLABLES) for _ in range(2)).capitalize()
+        neighbour = rng.choice(sorted(names - {name}))
+        text = (
+            f"{name} is {'an' if kind[0] in 'aeiou' else 'a'} {kind} near {neighbour}. "
+            f"It was first recorded in {year}, "
+            f"when the explorer {founder} described it. Travellers know {name} for its markets."
+        )
+        documents.append({"id": str(index), "contents": f'"{name}"\n{text}'})
+        tasks.append(
+            Task(f"fact-{index:05d}-year", f"In which year was {name} first recorded?", (str(year),), 1)
+        )
+        tasks.append(Task(f"fact-{index:05d}-who", f"Which explorer first described {name}?", (founder,), 1))
+    rng.shuffle(tasks)
+    return documents, tasks
+
+
+@dataclass(frozen=True)
+class ArithmeticSet:
+    """A shipped arithmetic task file: how many, which seed, which levels."""
+
+    count: int
+    seed: int
+    levels: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FactSet:
+    """The shipped search corpus and its questions (search-train and the last 200: search-val)."""
+
+    entities: int
+    seed: int
+
+
+SHIPPED: dict[str, ArithmeticSet | FactSet] = {
+    "codemath-train": ArithmeticSet(2000, seed=1, levels=(1, 2, 3)),
+    "codemath-val": ArithmeticSet(200, seed=2, levels=(1, 2, 3)),
+    "math-train": ArithmeticSet(2000, seed=3, levels=(1,)),
+    "math-val": ArithmeticSet(200, seed=4, levels=(1,)),
+    "search-corpus": FactSet(500, seed=5),
+}
+"""How each shipped file in envs/data/ was made."""
+
+
+def write_shipped(directory: Path = DATA_DIR) -> None:
+    """Regenerate every shipped file (deterministic)."""
+    for name, spec in SHIPPED.items():
+        if isinstance(spec, ArithmeticSet):
+            tasks = arithmetic_tasks(spec.count, spec.seed, spec.levels, prefix=name)
+            write_jsonl(directory / f"{name}.jsonl", (t.to_row() for t in tasks))
+        else:
+            documents, questions = fact_corpus(spec.entities, spec.seed)
+            write_jsonl(directory / f"{name}.jsonl", documents)
+            cut = len(questions) - 200
+            write_jsonl(directory / "search-train.jsonl", (t.to_row() for t in questions[:cut]))
+            write_jsonl(directory / "search-val.jsonl", (t.to_row() for t in questions[cut:]))
+
+
+if __name__ == "__main__":
+    write_shipped()
+    print(f"wrote the shipped task sets to {DATA_DIR}")
