@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -51,7 +52,9 @@ class LocalOptions:
     ro_binds: tuple[str, ...] = ()
     """Extra host paths made visible read-only at the same path (e.g. a venv with numpy)."""
     warm_pool: int = 2
-    """Sandboxes kept started and waiting for a job; 0 starts each run cold."""
+    """Sandboxes kept started and waiting for a one-shot job; 0 starts each run cold."""
+    warm_sessions: int = 2
+    """Session interpreters kept started per distinct session limits (one per episode); 0 disables."""
     max_concurrency: int = 32
     """Runs and session calls executing at once; more wait their turn."""
     uid_base: int = 61000
@@ -64,8 +67,8 @@ class LocalOptions:
     """`bwrap`, `unshare` (root only), or `auto`: bubblewrap when present, else unshare."""
 
     def __post_init__(self) -> None:
-        if self.warm_pool < 0 or self.max_concurrency < 1 or self.uid_count < 1:
-            raise ValueError("warm_pool must be >= 0, max_concurrency and uid_count >= 1")
+        if self.warm_pool < 0 or self.warm_sessions < 0 or self.max_concurrency < 1 or self.uid_count < 1:
+            raise ValueError("warm_pool and warm_sessions must be >= 0, max_concurrency and uid_count >= 1")
         if self.isolation not in ("auto", "bwrap", "unshare"):
             raise ValueError(f"isolation must be auto, bwrap or unshare, got {self.isolation!r}")
         if not self.python.startswith("/"):
@@ -138,6 +141,21 @@ class _Box:
             self._uid = None
 
 
+_PoolKey = tuple[str, str]
+"""(launcher mode, limits as JSON) of a warm pool: a warm sandbox's tmpfs size and a session's rlimits
+are fixed when it starts, so each distinct setting has its own pool."""
+_MAX_POOLS = 8
+
+
+def _oneshot_key(limits: Limits) -> _PoolKey:
+    # Only the tmpfs size is fixed at start; the job carries every other limit.
+    return "oneshot", json.dumps({"work_dir_mb": limits.work_dir_mb})
+
+
+def _session_key(limits: Limits) -> _PoolKey:
+    return "session", json.dumps(dataclasses.asdict(limits), sort_keys=True)
+
+
 _TOP_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 _TOP_SYMLINKS = {f"/{top}": os.readlink(f"/{top}") for top in _TOP_DIRS if Path(f"/{top}").is_symlink()}
 """Merged-/usr systems link /bin, /lib... into /usr; the sandbox's root repeats those links."""
@@ -178,8 +196,8 @@ class LocalBackend:
         self._bwrap, self._unshare = _find_isolation(self.options)
         self._uids = _UidPool(self.options.uid_base, self.options.uid_count) if os.geteuid() == 0 else None
         self._slots = asyncio.Semaphore(self.options.max_concurrency)
-        self._warm: list[_Box] = []
-        self._filling: set[asyncio.Task[None]] = set()
+        self._warm: dict[_PoolKey, list[_Box]] = {}
+        self._filling: dict[_PoolKey, asyncio.Task[None]] = {}
         self._sessions: set[LocalSession] = set()
         self._closed = False
 
@@ -254,29 +272,41 @@ class LocalBackend:
             os.close(status_write)
         return _Box(child, info_read, status_read, uid, self._uids)
 
-    async def _fill(self) -> None:
-        # The warm sandbox's tmpfs size is fixed at start, so warm boxes use the default limits;
-        # a run with a different work_dir_mb starts cold.
-        while not self._closed and len(self._warm) < self.options.warm_pool:
-            self._warm.append(self._spawn("oneshot", Limits()))
+    def _pool_size(self, key: _PoolKey) -> int:
+        return self.options.warm_pool if key[0] == "oneshot" else self.options.warm_sessions
+
+    def _spawn_for(self, key: _PoolKey) -> _Box:
+        mode, limits_json = key
+        limits = Limits(**json.loads(limits_json))
+        return self._spawn(mode, limits, json.dumps(limits.to_wire()) if mode == "session" else "-")
+
+    async def _fill(self, key: _PoolKey) -> None:
+        pool = self._warm.setdefault(key, [])
+        while not self._closed and len(pool) < self._pool_size(key):
+            pool.append(self._spawn_for(key))
             await asyncio.sleep(0)
 
-    def _refill(self) -> None:
-        if self.options.warm_pool and not self._closed and not self._filling:
-            task = asyncio.get_running_loop().create_task(self._fill())
-            self._filling.add(task)
-            task.add_done_callback(self._filling.discard)
+    def _refill(self, key: _PoolKey) -> None:
+        if self._closed or not self._pool_size(key) or key in self._filling:
+            return
+        if key not in self._warm and len(self._warm) >= _MAX_POOLS:
+            return  # many distinct limits in use: the rarer ones start cold
+        task = asyncio.get_running_loop().create_task(self._fill(key))
+        self._filling[key] = task
+        task.add_done_callback(lambda _: self._filling.pop(key, None))
 
-    async def _take_box(self, limits: Limits) -> _Box:
-        if limits.work_dir_mb == Limits().work_dir_mb:
-            while self._warm:
-                box = self._warm.pop(0)
-                if box.child.alive:
-                    self._refill()
-                    return box
-                await box.close()
-            self._refill()
-        return self._spawn("oneshot", limits)
+    async def _take_box(self, key: _PoolKey) -> _Box:
+        """A warm sandbox for `key` if one waits, else a fresh one; the pool refills behind us."""
+        pool = self._warm.get(key, [])
+        box = None
+        while pool and box is None:
+            candidate = pool.pop(0)
+            if candidate.child.alive:
+                box = candidate
+            else:
+                await candidate.close()
+        self._refill(key)
+        return box if box is not None else self._spawn_for(key)
 
     # -- one-shot runs -------------------------------------------------------------------------------
 
@@ -286,7 +316,7 @@ class LocalBackend:
             raise RuntimeError("this sandbox is closed")
         async with self._slots:
             try:
-                box = await self._take_box(request.limits)
+                box = await self._take_box(_oneshot_key(request.limits))
             except OSError as error:
                 return ExecResult.sandbox_error(f"could not start a sandbox: {error}")
             try:
@@ -353,11 +383,12 @@ class LocalBackend:
     async def aclose(self) -> None:
         """Stop every warm sandbox. Idempotent."""
         self._closed = True
-        for task in list(self._filling):
+        for task in list(self._filling.values()):
             task.cancel()
-        warm, self._warm = self._warm, []
-        for box in warm:
-            await box.close()
+        warm, self._warm = self._warm, {}
+        for pool in warm.values():
+            for box in pool:
+                await box.close()
         for session in list(self._sessions):
             await session.aclose()
 
@@ -378,7 +409,7 @@ class LocalSession:
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
-        self._box = self._backend._spawn("session", self.limits, json.dumps(self.limits.to_wire()))
+        self._box = await self._backend._take_box(_session_key(self.limits))
         ready = await asyncio.wait_for(self._read_frame(self._box), 30)
         if not ready.get("ready"):
             raise RuntimeError(f"sandbox session failed to start: {ready}")
