@@ -248,3 +248,32 @@ def test_shipped_files_match_their_generators(tmp_path: Path) -> None:
     write_shipped(tmp_path)
     for path in sorted(tmp_path.iterdir()):
         assert path.read_text() == (DATA_DIR / path.name).read_text(), path.name
+
+
+def test_chat_template_renders_tool_schemas_and_responses() -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from envs.chat_template import CHATML_TOOLS_TEMPLATE
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+        chat_template=CHATML_TOOLS_TEMPLATE,
+    )
+    env = CodeMathEnv(tasks=[TASK])
+    observation, _ = env.reset()
+    action = "two calls\n" + python_call("print(1)") + python_call("print(2)")
+    responses, *_ = env.step(action)
+    conversation = [*observation, {"role": "assistant", "content": action}, *responses]
+    rendered = tokenizer.apply_chat_template(
+        conversation, tools=env.tool_schemas(), tokenize=False, add_generation_prompt=True
+    )
+    env.close()
+    schema = json.dumps(env.tool_schemas()[0])
+    assert rendered.startswith("<|im_start|>system\nYou solve math problems.")
+    assert f"<tools>\n{schema}\n</tools>" in rendered
+    assert rendered.endswith(
+        f"<|im_start|>assistant\n{action}<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )

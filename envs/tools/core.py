@@ -270,7 +270,8 @@ def _split_docstring(doc: str) -> tuple[str, dict[str, str]]:
             arg_docs[current] += " " + line.strip()
         elif line.strip() and not line.startswith(" "):
             break  # a new section (Returns:, Raises:)
-    return head.strip(), arg_docs
+    paragraphs = [" ".join(block.split()) for block in head.strip().split("\n\n")]
+    return "\n\n".join(paragraphs), arg_docs
 
 
 def get_tool(name: str) -> Tool:
