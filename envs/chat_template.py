@@ -19,7 +19,8 @@ CHATML_TOOLS_TEMPLATE = r"""
     {{- '<|im_start|>system\n' + system }}
     {%- if tools %}
         {%- if system %}{{- '\n\n' }}{%- endif %}
-        {{- '# Tools\n\nYou may call one or more functions. Their signatures are within <tools></tools>:\n<tools>' }}
+        {{- '# Tools\n\nYou may call one or more functions. ' }}
+        {{- 'Their signatures are within <tools></tools>:\n<tools>' }}
         {%- for tool in tools %}
             {{- '\n' + (tool | tojson) }}
         {%- endfor %}

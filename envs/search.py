@@ -15,7 +15,8 @@ SYSTEM_PROMPT = (
     "Answer the question. If you lack knowledge, search for it: call the search tool with "
     '<tool_call>{"name": "search", "arguments": {"query": "..."}}</tool_call> and the most relevant '
     "passages come back to you. You may search as often as you need. When you know the answer, reply "
-    "without tool calls and put only the answer inside <answer> and </answer>, e.g. <answer> Beijing </answer>."
+    "without tool calls and put only the answer inside <answer> and </answer>, "
+    "e.g. <answer> Beijing </answer>."
 )
 
 

@@ -73,6 +73,14 @@ def cmd_serve_sandbox(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_retriever(args: argparse.Namespace) -> int:
+    """`pacerl serve retriever`: a Search-R1-compatible /retrieve server (BM25 over a JSONL corpus)."""
+    from envs.retriever import serve
+
+    serve(corpus=args.corpus, host=args.host, port=args.port, default_topk=args.topk)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """`pacerl demo`: the main job on the embedded defaults."""
     from pacerl.demo import run_demo
@@ -114,6 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve_sandbox.add_argument("--option", action="append", default=[], help="backend option key=value")
     _add_limit_flags(serve_sandbox, per_request_maximum=True)
     serve_sandbox.set_defaults(handler=cmd_serve_sandbox)
+
+    serve_retriever = serve.add_parser("retriever", help="Search-R1-compatible /retrieve server (BM25)")
+    serve_retriever.add_argument(
+        "--corpus", required=True, help='JSONL corpus, one {"id", "contents"} document per line'
+    )
+    serve_retriever.add_argument("--host", default="127.0.0.1")
+    serve_retriever.add_argument("--port", type=int, default=8000)
+    serve_retriever.add_argument(
+        "--topk", type=int, default=3, help="documents per query when a request says none"
+    )
+    serve_retriever.set_defaults(handler=cmd_serve_retriever)
     return parser
 
 

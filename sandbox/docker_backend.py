@@ -43,7 +43,14 @@ from docker.types import LogConfig
 
 from sandbox.image import DEFAULT_IMAGE, IDLE_COMMAND, PYTHON, ensure_image
 from sandbox.limits import Limits
-from sandbox.local import _SESSION_GRACE_S, LAUNCHER_SOURCE, WORK_DIR, _session_result, _UidPool
+from sandbox.local import (
+    _SANDBOX_ENV,
+    _SESSION_GRACE_S,
+    LAUNCHER_SOURCE,
+    WORK_DIR,
+    _session_result,
+    _UidPool,
+)
 from sandbox.request import ExecRequest
 from sandbox.result import ExecResult, ExecStatus, OutputCapture, classify_exit
 
@@ -54,7 +61,6 @@ LABEL = "pacerl.sandbox"
 BACKEND_LABEL = "pacerl.sandbox.backend"
 """Label whose value identifies the backend instance that created a container (for cleanup)."""
 
-_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 _FAILURES = (DockerException, OSError, EOFError)
 """What a failing daemon raises: SDK errors, connection errors (requests' are OSErrors), cut streams."""
 _EXEC_FAILED = "OCI runtime exec failed"
@@ -72,7 +78,7 @@ class DockerOptions:
     """Options of the `docker` backend."""
 
     image: str = DEFAULT_IMAGE
-    """Image every container runs; it needs /usr/bin/python3 (or `python`) and /bin/bash. Never pulled."""
+    """Image every container runs; it needs the interpreter at `python` and /bin/bash. Never pulled."""
     build_image: bool = True
     """When the daemon lacks `image`, build it from the host's interpreter (sandbox.image); else fail."""
     warm_pool: int = 4
@@ -217,10 +223,12 @@ class _ExecStream:
 class _Box:
     """One container, with the exec of its launcher once started."""
 
-    def __init__(self, container_id: str, shape: _Shape, uid: int | None) -> None:
+    def __init__(self, container_id: str, shape: _Shape, uid: int | None, since: float = 0.0) -> None:
         self.id = container_id
         self.shape = shape
         self.uid = uid
+        self.since = since
+        """Wall-clock time just before the container was created (where its events start)."""
         self.exec_id = ""
         self.stream: _ExecStream | None = None
 
@@ -275,11 +283,16 @@ class DockerBackend:
     def _api(self) -> Any:
         with self._client_lock:
             if self._client is None:
-                self._client = docker.DockerClient(
+                client = docker.DockerClient(
                     base_url=self._url,
                     timeout=int(self.options.api_timeout_s + 0.999),
                     max_pool_size=self.options.api_threads,
                 )
+                # docker-py keeps one connection pool per URL (per container, per exec), so kept-alive
+                # connections are almost never reused and linger by the dozen; a unix-socket connect
+                # costs far less than those idle descriptors.
+                client.api.headers["Connection"] = "close"
+                self._client = client
             return self._client.api
 
     async def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -298,7 +311,7 @@ class DockerBackend:
             "command": list(IDLE_COMMAND),
             "user": user,
             "working_dir": WORK_DIR,
-            "environment": _ENV,
+            "environment": _SANDBOX_ENV,
             "hostname": "sandbox",
             "labels": self._labels,
             "host_config": shape.host_config(api, self.options.cpus),
@@ -321,6 +334,17 @@ class DockerBackend:
             raise
         return container_id
 
+    def _oom_killed(self, box: _Box) -> bool:
+        """Whether the cgroup's OOM killer struck in this container (docker only flags OOMKilled on
+        the container when its PID 1 dies, so an exec'd process shows up as an `oom` event alone)."""
+        events = self._api().events(
+            since=box.since - 1, until=time.time(), filters={"container": box.id, "event": "oom"}, decode=True
+        )
+        try:
+            return any(True for _ in events)
+        finally:
+            events.close()
+
     def _remove_now(self, container_id: str) -> None:
         with contextlib.suppress(NotFound):
             self._api().remove_container(container_id, force=True)
@@ -338,6 +362,7 @@ class DockerBackend:
     async def _start_box(self, shape: _Shape, *launcher_args: str) -> _Box:
         """A started container whose launcher is exec'd and attached (waiting for its job or requests)."""
         uid = self._uids.take() if self._uids is not None else None
+        since = time.time()
         created = asyncio.ensure_future(self._call(self._create, shape, uid))
         try:
             container_id = await asyncio.shield(created)
@@ -348,7 +373,7 @@ class DockerBackend:
         except BaseException:
             self._give_uid(uid)
             raise
-        box = _Box(container_id, shape, uid)
+        box = _Box(container_id, shape, uid, since)
         try:
             command = [self.options.python, "-I", "-c", LAUNCHER_SOURCE, *launcher_args]
             created_exec = await self._api_call(
@@ -576,17 +601,16 @@ class DockerBackend:
             exit_code = -(exit_code - 128)
         if exit_code == -9:
             # SIGKILL came from the cgroup's OOM killer, from outside (a daemon shutdown), or from the
-            # code itself; the container's state tells which.
+            # code itself; the container's state and events tell which.
             try:
                 state = (await self._api_call("inspect_container", box.id))["State"]
+                oom = state.get("OOMKilled") or await self._call(self._oom_killed, box)
             except _FAILURES as error:
-                return ExecResult.sandbox_error(
-                    self._unreachable("the Docker sandbox failed", error), duration
-                )
-            if state.get("OOMKilled"):
-                return ExecResult.captured(
-                    ExecStatus.MEMORY, exit_code, out, err, duration, "memory limit exceeded"
-                )
+                reason = self._unreachable("the Docker sandbox failed", error)
+                return ExecResult.sandbox_error(reason, duration)
+            if oom:
+                reason = "memory limit exceeded (the container's memory cap)"
+                return ExecResult.captured(ExecStatus.MEMORY, exit_code, out, err, duration, reason)
             if not state.get("Running"):
                 reason = "the container was killed from outside the sandbox (daemon shutdown?)"
                 return ExecResult.sandbox_error(reason, duration)
@@ -734,9 +758,10 @@ class DockerSession:
         async with self._lock, self._backend._slots:
             notice = ""
             if self._box is None or not self._box.ready:
-                if self._box is not None:
+                if self._box is not None:  # its container went away between calls
                     self._backend._dispose(self._box)
                     self._box = None
+                    self._lost_state = True
                 try:
                     await self.start()
                 except (*_FAILURES, RuntimeError, TimeoutError) as error:
@@ -767,12 +792,17 @@ class DockerSession:
             reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded; the session was restarted"
             return ExecResult(ExecStatus.TIMEOUT, None, notice, "", time.monotonic() - started, reason)
         except (*_FAILURES, ValueError) as error:
+            box = self._box
             await self._kill()
             if not await self._backend._daemon_answers():
                 reason = self._backend._unreachable("the Docker session failed", error)
                 return ExecResult.sandbox_error(reason, time.monotonic() - started)
             stderr = notice + _DIED_NOTICE
-            return ExecResult(ExecStatus.ERROR, None, "", stderr, time.monotonic() - started, str(error))
+            status, reason = ExecStatus.ERROR, str(error)
+            with contextlib.suppress(*_FAILURES):
+                if await self._backend._call(self._backend._oom_killed, box):
+                    status, reason = ExecStatus.MEMORY, "memory limit exceeded (the container's memory cap)"
+            return ExecResult(status, None, "", stderr, time.monotonic() - started, reason)
         return _session_result(reply, limits, notice, time.monotonic() - started)
 
     async def _kill(self) -> None:

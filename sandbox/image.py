@@ -13,6 +13,7 @@ time, so a changed launcher never needs a rebuild.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
@@ -78,20 +79,27 @@ def ensure_image(tag: str = DEFAULT_IMAGE, *, rebuild: bool = False, base_url: s
     client = docker.DockerClient(base_url=base_url) if base_url else docker.from_env()
     try:
         recipe = _recipe_hash()
-        if not rebuild:
-            try:
-                labels = client.images.get(tag).labels or {}
-            except docker.errors.ImageNotFound:
-                labels = {}
-            if labels.get(RECIPE_LABEL) == recipe:
-                return tag
-        _build(client, tag, recipe)
+        try:
+            previous = client.images.get(tag)
+        except docker.errors.ImageNotFound:
+            previous = None
+        if previous is not None and not rebuild and (previous.labels or {}).get(RECIPE_LABEL) == recipe:
+            return tag
+        output = _build(client, tag, recipe)
+        built = client.images.get(tag)
+        if (built.labels or {}).get(RECIPE_LABEL) != recipe:
+            raise RuntimeError(f"docker import did not produce {tag}: {output[-1000:]}")
+        if previous is not None and previous.id != built.id:
+            # The old image is now untagged; drop it unless a container still uses it.
+            with contextlib.suppress(docker.errors.APIError):
+                client.images.remove(previous.id)
     finally:
         client.close()
     return tag
 
 
-def _build(client: Any, tag: str, recipe: str) -> None:
+def _build(client: Any, tag: str, recipe: str) -> str:
+    """Import a fresh rootfs as `tag`; returns the daemon's output (errors may only show there)."""
     from docker.utils import parse_repository_tag
 
     repository, version = parse_repository_tag(tag)
@@ -105,9 +113,10 @@ def _build(client: Any, tag: str, recipe: str) -> None:
     with tempfile.TemporaryDirectory(prefix="pacerl-image-") as scratch:
         tarball = Path(scratch) / "rootfs.tar"
         write_rootfs(tarball)
-        client.api.import_image_from_file(
+        output = client.api.import_image_from_file(
             str(tarball), repository=repository, tag=version or "latest", changes=changes
         )
+    return str(output)
 
 
 def _recipe_hash() -> str:
