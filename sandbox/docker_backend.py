@@ -41,16 +41,19 @@ import docker
 from docker.errors import DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig
 
+from sandbox._protocol import (
+    DIED_NOTICE,
+    LAUNCHER_SOURCE,
+    RESTART_NOTICE,
+    SANDBOX_ENV,
+    SESSION_GRACE_S,
+    WORK_DIR,
+    UidPool,
+    session_message,
+    session_result,
+)
 from sandbox.image import DEFAULT_IMAGE, IDLE_COMMAND, PYTHON, ensure_image
 from sandbox.limits import Limits
-from sandbox.local import (
-    _SANDBOX_ENV,
-    _SESSION_GRACE_S,
-    LAUNCHER_SOURCE,
-    WORK_DIR,
-    _session_result,
-    _UidPool,
-)
 from sandbox.request import ExecRequest
 from sandbox.result import ExecResult, ExecStatus, OutputCapture, classify_exit
 
@@ -67,10 +70,6 @@ _EXEC_FAILED = "OCI runtime exec failed"
 """What the daemon writes to an exec's output when runc cannot start its process."""
 _STREAM_CHUNK = 65536
 _MAX_SESSION_FRAME = 64 * 1024 * 1024
-_RESTART_NOTICE = (
-    "[sandbox] the session was restarted after its last call was killed; earlier variables are gone\n"
-)
-_DIED_NOTICE = "[sandbox] the interpreter died; the session will restart on the next call\n"
 
 
 @dataclass(frozen=True)
@@ -255,7 +254,7 @@ class DockerBackend:
         self._client_lock = threading.Lock()
         self._image_lock = threading.Lock()
         self._uids = (
-            _UidPool(self.options.uid_base, self.options.uid_count) if self.options.user is None else None
+            UidPool(self.options.uid_base, self.options.uid_count) if self.options.user is None else None
         )
         self._slots = asyncio.Semaphore(self.options.max_concurrency)
         self._warm: list[_Box] = []
@@ -311,7 +310,7 @@ class DockerBackend:
             "command": list(IDLE_COMMAND),
             "user": user,
             "working_dir": WORK_DIR,
-            "environment": _SANDBOX_ENV,
+            "environment": SANDBOX_ENV,
             "hostname": "sandbox",
             "labels": self._labels,
             "host_config": shape.host_config(api, self.options.cpus),
@@ -768,7 +767,7 @@ class DockerSession:
                     reason = self._backend._unreachable("could not restart the Docker session", error)
                     return ExecResult.sandbox_error(reason)
                 if self._lost_state:
-                    notice = _RESTART_NOTICE
+                    notice = RESTART_NOTICE
                     self._lost_state = False
             return await self._call(request, notice)
 
@@ -776,17 +775,9 @@ class DockerSession:
         assert self._box is not None and self._box.stream is not None
         limits = request.limits
         started = time.monotonic()
-        message = {
-            "code": request.code,
-            "stdin": request.to_wire()["stdin"],
-            "timeout_s": limits.timeout_s,
-            "cpu_s": limits.effective_cpu_s,
-            "output_cap_bytes": limits.output_cap_bytes,
-        }
-        payload = json.dumps(message).encode()
         try:
-            await self._box.stream.send(b"%d\n" % len(payload) + payload)
-            reply = await asyncio.wait_for(self._read_frame(), limits.timeout_s + _SESSION_GRACE_S)
+            await self._box.stream.send(session_message(request))
+            reply = await asyncio.wait_for(self._read_frame(), limits.timeout_s + SESSION_GRACE_S)
         except TimeoutError:
             await self._kill()
             reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded; the session was restarted"
@@ -797,13 +788,13 @@ class DockerSession:
             if not await self._backend._daemon_answers():
                 reason = self._backend._unreachable("the Docker session failed", error)
                 return ExecResult.sandbox_error(reason, time.monotonic() - started)
-            stderr = notice + _DIED_NOTICE
+            stderr = notice + DIED_NOTICE
             status, reason = ExecStatus.ERROR, str(error)
             with contextlib.suppress(*_FAILURES):
                 if await self._backend._call(self._backend._oom_killed, box):
                     status, reason = ExecStatus.MEMORY, "memory limit exceeded (the container's memory cap)"
             return ExecResult(status, None, "", stderr, time.monotonic() - started, reason)
-        return _session_result(reply, limits, notice, time.monotonic() - started)
+        return session_result(reply, limits, notice, time.monotonic() - started)
 
     async def _kill(self) -> None:
         if self._box is not None:

@@ -18,29 +18,32 @@ start. Each warm sandbox serves exactly one run and is thrown away, so runs neve
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from sandbox._proc import Child
+from sandbox._protocol import (
+    DIED_NOTICE,
+    LAUNCHER_SOURCE,
+    RESTART_NOTICE,
+    SANDBOX_ENV,
+    SESSION_GRACE_S,
+    WORK_DIR,
+    UidPool,
+    session_message,
+    session_result,
+)
 from sandbox.limits import Limits
 from sandbox.request import ExecRequest
 from sandbox.result import ExecResult, ExecStatus, OutputCapture, classify_exit
-
-LAUNCHER_SOURCE = resources.files("sandbox").joinpath("_launcher.py").read_text()
-WORK_DIR = "/work"
-_SESSION_GRACE_S = 2.0
-"""Extra wall time the host gives a session cell after its in-sandbox alarm should have fired."""
 
 
 @dataclass(frozen=True)
@@ -75,31 +78,11 @@ class LocalOptions:
             raise ValueError(f"python must be an absolute path inside the sandbox, got {self.python!r}")
 
 
-class _UidPool:
-    """Hands out distinct unprivileged uids so that no two live sandboxes share an RLIMIT_NPROC count."""
-
-    def __init__(self, base: int, count: int) -> None:
-        # Several host processes may use the pool at once; starting at a pid-derived offset makes a
-        # collision unlikely (and harmless beyond a shared process cap).
-        self._free = [base + (os.getpid() + i) % count for i in range(count)]
-        self._lock = threading.Lock()
-
-    def take(self) -> int:
-        with self._lock:
-            if not self._free:
-                raise RuntimeError("no free sandbox uid; raise LocalOptions.uid_count")
-            return self._free.pop(0)
-
-    def give(self, uid: int) -> None:
-        with self._lock:
-            self._free.append(uid)
-
-
 class _Box:
     """One bubblewrap sandbox process (its launcher waits for a job or serves a session)."""
 
     def __init__(
-        self, child: Child, info_read: int, status_read: int, uid: int | None, pool: _UidPool | None
+        self, child: Child, info_read: int, status_read: int, uid: int | None, pool: UidPool | None
     ) -> None:
         self.child = child
         self._info_read = info_read
@@ -159,7 +142,6 @@ def _session_key(limits: Limits) -> _PoolKey:
 _TOP_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 _TOP_SYMLINKS = {f"/{top}": os.readlink(f"/{top}") for top in _TOP_DIRS if Path(f"/{top}").is_symlink()}
 """Merged-/usr systems link /bin, /lib... into /usr; the sandbox's root repeats those links."""
-_SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 
 
 def _find_isolation(options: LocalOptions) -> tuple[str | None, str | None]:
@@ -194,7 +176,7 @@ class LocalBackend:
     def __init__(self, options: LocalOptions | None = None) -> None:
         self.options = options or LocalOptions()
         self._bwrap, self._unshare = _find_isolation(self.options)
-        self._uids = _UidPool(self.options.uid_base, self.options.uid_count) if os.geteuid() == 0 else None
+        self._uids = UidPool(self.options.uid_base, self.options.uid_count) if os.geteuid() == 0 else None
         self._slots = asyncio.Semaphore(self.options.max_concurrency)
         self._warm: dict[_PoolKey, list[_Box]] = {}
         self._filling: dict[_PoolKey, asyncio.Task[None]] = {}
@@ -215,7 +197,7 @@ class LocalBackend:
         argv += ["--proc", "/proc", "--dev", "/dev"]
         argv += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", WORK_DIR, "--chdir", WORK_DIR]
         argv += ["--remount-ro", "/", "--clearenv"]
-        for key, value in _SANDBOX_ENV.items():
+        for key, value in SANDBOX_ENV.items():
             argv += ["--setenv", key, value]
         return [*argv, "--", self.options.python, "-I", "-c", LAUNCHER_SOURCE, *launcher_args]
 
@@ -227,7 +209,7 @@ class LocalBackend:
             "binds": self._read_only_paths(),
             "symlinks": _TOP_SYMLINKS,
             "work": WORK_DIR,
-            "env": _SANDBOX_ENV,
+            "env": SANDBOX_ENV,
         }
         # setpriv's parent-death signal survives its exec of unshare, so the sandbox dies with us.
         argv = ["setpriv", "--pdeathsig", "SIGKILL", "--", self._unshare]
@@ -434,8 +416,7 @@ class LocalSession:
                     await self._box.close()
                 await self.start()
                 if self._lost_state:
-                    notice = "[sandbox] the session was restarted after its last call was killed; "
-                    notice += "earlier variables are gone\n"
+                    notice = RESTART_NOTICE
                     self._lost_state = False
             assert self._box is not None
             return await self._call(self._box, request, notice)
@@ -443,26 +424,18 @@ class LocalSession:
     async def _call(self, box: _Box, request: ExecRequest, notice: str) -> ExecResult:
         limits = request.limits
         started = time.monotonic()
-        message = {
-            "code": request.code,
-            "stdin": request.to_wire()["stdin"],
-            "timeout_s": limits.timeout_s,
-            "cpu_s": limits.effective_cpu_s,
-            "output_cap_bytes": limits.output_cap_bytes,
-        }
-        payload = json.dumps(message).encode()
         try:
-            await box.child.write(b"%d\n" % len(payload) + payload)
-            reply = await asyncio.wait_for(self._read_frame(box), limits.timeout_s + _SESSION_GRACE_S)
+            await box.child.write(session_message(request))
+            reply = await asyncio.wait_for(self._read_frame(box), limits.timeout_s + SESSION_GRACE_S)
         except TimeoutError:
             await self._kill()
             reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded; the session was restarted"
             return ExecResult(ExecStatus.TIMEOUT, None, notice, "", time.monotonic() - started, reason)
         except (EOFError, OSError, ValueError) as error:
             await self._kill()
-            stderr = notice + "[sandbox] the interpreter died; the session will restart on the next call\n"
+            stderr = notice + DIED_NOTICE
             return ExecResult(ExecStatus.ERROR, None, "", stderr, time.monotonic() - started, str(error))
-        return _session_result(reply, limits, notice, time.monotonic() - started)
+        return session_result(reply, limits, notice, time.monotonic() - started)
 
     async def _kill(self) -> None:
         if self._box is not None:
@@ -485,31 +458,3 @@ class LocalSession:
                 await self._box.close()
                 self._box = None
         self._backend._sessions.discard(self)
-
-
-def _session_result(reply: dict[str, object], limits: Limits, notice: str, duration: float) -> ExecResult:
-    def text(key: str) -> tuple[str, bool]:
-        capture = OutputCapture(limits.output_cap_bytes)
-        head = base64.b64decode(str(reply[key]))
-        capture.feed(head)
-        capture.total = int(str(reply[f"{key}_total"]))
-        return capture.text(), capture.truncated
-
-    stdout, out_cut = text("stdout")
-    stderr, err_cut = text("stderr")
-    stderr = notice + stderr
-    total = int(str(reply["stdout_total"])) + int(str(reply["stderr_total"]))
-    kind = str(reply["kind"])
-    exit_code = reply["exit_code"] if isinstance(reply["exit_code"], int) else None
-    fields = {"stdout_truncated": out_cut, "stderr_truncated": err_cut}
-    if total > limits.output_kill_bytes:
-        status, reason = ExecStatus.OUTPUT_LIMIT, "output limit exceeded"
-    elif kind == "timeout":
-        status, reason = ExecStatus.TIMEOUT, f"wall-clock limit of {limits.timeout_s:g} s exceeded"
-    elif kind == "memory":
-        status, reason = ExecStatus.MEMORY, "memory limit exceeded"
-    elif kind == "error":
-        status, reason = ExecStatus.ERROR, f"exit code {exit_code}"
-    else:
-        status, reason = ExecStatus.OK, ""
-    return ExecResult(status, exit_code, stdout, stderr, duration, reason, **fields)

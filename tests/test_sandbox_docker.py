@@ -21,8 +21,13 @@ from sandbox.docker_backend import BACKEND_LABEL, DockerBackend, DockerOptions
 
 pytestmark = pytest.mark.docker
 
-CONTAINER_ID = "print(open('/proc/self/cgroup').read().split('/docker/')[1][:64], flush=True)"
-"""Code that prints the id of the container it runs in (cgroup v1 and v2 both name it)."""
+CONTAINER_ID = (
+    "import re\n"
+    "mounts = open('/proc/self/mountinfo').read()\n"
+    "print(re.search('containers/([0-9a-f]{64})/hostname', mounts)[1], flush=True)"
+)
+"""Code that prints the id of the container it runs in (docker bind-mounts /etc/hostname from a path
+that names it, with cgroup v1 or v2 alike)."""
 
 
 def backend_of(sandbox: Sandbox) -> DockerBackend:
