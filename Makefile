@@ -28,6 +28,8 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/sandbox.py
+	$(BIN)/python benchmarks/envs.py
+	$(BIN)/python benchmarks/retriever.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -91,6 +91,10 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
         """The reward of an episode whose last assistant message is `final_message`."""
         raise NotImplementedError
 
+    def parse(self, action: str) -> Parsed:
+        """The tool calls in an assistant message (override to accept another format)."""
+        return parse_actions(action, self.config.tool_formats)
+
     # -- Gymnasium -----------------------------------------------------------------------------------
 
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -144,7 +148,7 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
         self._turns += 1
         self._chars += len(action)
         self._transcript.append({"role": "assistant", "content": action})
-        parsed = parse_actions(action, self.config.tool_formats) if self.tools else Parsed()
+        parsed = self.parse(action) if self.tools else Parsed()
         info: dict[str, Any] = {"task_id": task.id, "turn": self._turns}
         if not parsed.attempted:  # no call: this is the final answer
             reward = self.score(task, action)

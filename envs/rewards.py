@@ -8,9 +8,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from math_verify import parse, verify
-
-from envs.parsing import extract_boxed
+from envs.parsing import extract_boxed, extract_tag
 
 
 @dataclass(frozen=True)
@@ -31,6 +29,8 @@ def math_equal(answer: str, gold: str) -> bool:
     """Mathematical equivalence by math-verify (so `0.5`, `1/2` and `\\frac{1}{2}` agree), not strings."""
     if not answer.strip():
         return False
+    from math_verify import parse, verify  # imported late: it pulls in sympy, seconds at start-up
+
     try:
         parsed_gold = parse(f"${gold}$")
         parsed_answer = parse(f"${answer}$")
@@ -81,3 +81,12 @@ def boxed_math_reward(final_message: str, answers: Sequence[str], format_weight:
     answer = extract_boxed(final_message)
     correct = answer is not None and any(math_equal(answer, gold) for gold in answers)
     return outcome_reward(float(correct), answer is not None, format_weight)
+
+
+def answer_tag_reward(final_message: str, answers: Sequence[str], format_weight: float = 0.0) -> Reward:
+    """Exact match of the last `<answer>` (Search-R1), F1 reported alongside; 0 without the tag."""
+    answer = extract_tag(final_message, "answer")
+    if not answer:  # no tag, or an empty one: nothing to grade
+        return Reward(0.0, 0.0, 0.0, extra={"f1": 0.0})
+    reward = outcome_reward(exact_match(answer, answers), True, format_weight)
+    return Reward(reward.total, reward.correctness, reward.format, extra={"f1": f1_score(answer, answers)})

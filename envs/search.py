@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 
 from envs.base import ToolEnv, ToolEnvConfig
-from envs.parsing import extract_tag
-from envs.rewards import Reward, exact_match, f1_score, outcome_reward
+from envs.parsing import Parsed, ToolCall
+from envs.rewards import Reward, answer_tag_reward
 from envs.spaces import Message
 from envs.tasks import Task, load_tasks
 
@@ -27,7 +28,8 @@ class SearchEnv(ToolEnv):
 
     ## Action
     The assistant's message text. Tool calls as Hermes `<tool_call>` JSON calling `search`
-    (`{"query": str, "topk": 1..10}`); the final answer inside `<answer>...</answer>`.
+    (`{"query": str, "topk": 1..10}`) or as Search-R1's `<search>query</search>` tags; the final answer
+    inside `<answer>...</answer>`.
 
     ## Observation
     A tuple of chat messages: the system prompt and the question on reset; one `tool` message per
@@ -73,8 +75,16 @@ class SearchEnv(ToolEnv):
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.question}]
 
     def score(self, task: Task, final_message: str) -> Reward:
-        answer = extract_tag(final_message, "answer")
-        if not answer:  # no tag, or an empty one: nothing to grade
-            return Reward(0.0, 0.0, 0.0, extra={"f1": 0.0})
-        reward = outcome_reward(exact_match(answer, task.answers), True, self.config.format_weight)
-        return replace(reward, extra={"f1": f1_score(answer, task.answers)})
+        return answer_tag_reward(final_message, task.answers, self.config.format_weight)
+
+    def parse(self, action: str) -> Parsed:
+        """Hermes tool calls, and Search-R1's own `<search>query</search>` tags."""
+        parsed = super().parse(action)
+        tagged = [
+            ToolCall("search", {"query": match.group(1).strip()}, match.start())
+            for match in re.finditer(r"<search>(.*?)</search>", action, flags=re.DOTALL)
+        ]
+        if not tagged:
+            return parsed
+        calls = sorted([*parsed.calls, *tagged], key=lambda call: call.start)
+        return Parsed(tuple(calls), parsed.errors)

@@ -10,10 +10,8 @@ import asyncio
 import base64
 import hashlib
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +21,8 @@ import fastapi
 import httpx
 import psutil
 import pytest
-import uvicorn
 from fastapi.responses import JSONResponse, PlainTextResponse
+from helpers import ThreadServer, free_port
 
 from sandbox import ExecStatus, Limits, Sandbox, SandboxUsageError
 from sandbox.remote import RemoteOptions
@@ -36,13 +34,6 @@ SERVER_TIMEOUT_S = 2.0
 
 RESPONSE_KEYS = {"status", "message", "compile_result", "run_result", "executor_pod_name", "files"}
 RUN_RESULT_KEYS = {"status", "execution_time", "return_code", "stdout", "stderr"}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def wait_for_ping(url: str, process: subprocess.Popen[bytes], log: Path, within_s: float = 30) -> None:
@@ -66,29 +57,6 @@ def start_cli_server(port: int, log: Path) -> subprocess.Popen[bytes]:
         process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
     wait_for_ping(f"http://127.0.0.1:{port}", process, log)
     return process
-
-
-class ThreadServer:
-    """uvicorn serving `app` on a daemon thread of this process."""
-
-    def __init__(self, app: fastapi.FastAPI, port: int) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.url = f"http://127.0.0.1:{port}"
-        self._thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> ThreadServer:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"uvicorn did not start on {self.url}")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self._thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ The retriever's address comes from the env's settings (`retriever_url`).
 
 from __future__ import annotations
 
+import functools
+import ssl
 from typing import Annotated, Any
 
 import httpx
@@ -16,6 +18,13 @@ import pydantic
 from envs.tools.core import ToolContext, ToolError, tool
 
 SEARCH_TIMEOUT_S = 10.0
+
+
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """httpx's default TLS context, made once: each client would otherwise load the CA bundle again,
+    about 70 ms of CPU on the event loop per search call."""
+    return httpx.create_ssl_context()
 
 
 async def retrieve(
@@ -27,7 +36,7 @@ async def retrieve(
     """
     endpoint = url.rstrip("/") + ("" if url.rstrip("/").endswith("/retrieve") else "/retrieve")
     try:
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
+        async with httpx.AsyncClient(timeout=timeout_s, verify=_tls()) as client:
             answer = await client.post(
                 endpoint, json={"queries": queries, "topk": topk, "return_scores": True}
             )

@@ -1,0 +1,58 @@
+"""Reward functions against hand-worked cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from envs.rewards import (
+    Reward,
+    answer_tag_reward,
+    boxed_math_reward,
+    exact_match,
+    f1_score,
+    math_equal,
+    normalize_answer,
+    outcome_reward,
+)
+
+
+@pytest.mark.parametrize(
+    ("answer", "gold", "equal"),
+    [
+        ("44826", "44826", True),
+        ("44,826", "44826", True),
+        ("0.5", "\\frac{1}{2}", True),
+        ("1/2", "0.5", True),
+        ("x^2+2x+1", "(x+1)^2", True),
+        ("44827", "44826", False),
+        ("", "1", False),
+        ("\\frac{1}{", "1", False),
+    ],
+)
+def test_math_equal(answer: str, gold: str, equal: bool) -> None:
+    assert math_equal(answer, gold) is equal
+
+
+def test_normalization_exact_match_and_f1_by_hand() -> None:
+    assert normalize_answer("The  Eiffel-Tower!") == "eiffeltower"
+    assert exact_match("the Eiffel Tower", ["eiffel tower", "paris"]) == 1.0
+    assert exact_match("Eiffel", ["eiffel tower"]) == 0.0
+    # predicted {eiffel, tower, paris}, gold {eiffel, tower}: precision 2/3, recall 1 -> F1 0.8
+    assert f1_score("Eiffel Tower Paris", ["Eiffel Tower"]) == pytest.approx(0.8)
+    # best over golds: "tower" alone vs gold "tower": 1.0
+    assert f1_score("tower", ["eiffel tower", "tower"]) == pytest.approx(1.0)
+    assert f1_score("", ["x"]) == 0.0
+
+
+def test_outcome_reward_format_weight() -> None:
+    assert outcome_reward(1.0, True, 0.1) == Reward(1.0, 1.0, 1.0)
+    assert outcome_reward(0.0, True, 0.1) == Reward(0.1, 0.0, 1.0)
+    assert outcome_reward(1.0, False, 0.1) == Reward(0.0, 0.0, 0.0)
+
+
+def test_boxed_and_answer_tag_rewards() -> None:
+    assert boxed_math_reward("so \\boxed{6}", ["6"]).total == 1.0
+    assert boxed_math_reward("so 6", ["6"]) == Reward(0.0, 0.0, 0.0)
+    tagged = answer_tag_reward("<answer>explorer Orlo</answer>", ["Orlo"])
+    assert (tagged.total, tagged.breakdown()["f1"]) == (0.0, pytest.approx(2 / 3))
+    assert answer_tag_reward("<answer> </answer>", ["x"]).breakdown()["f1"] == 0.0
