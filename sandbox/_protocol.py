@@ -83,17 +83,22 @@ def session_result(reply: dict[str, object], limits: Limits, notice: str, durati
     stderr, err_cut = text("stderr")
     stderr = notice + stderr
     total = int(str(reply["stdout_total"])) + int(str(reply["stderr_total"]))
-    kind = str(reply["kind"])
     exit_code = reply["exit_code"] if isinstance(reply["exit_code"], int) else None
+    status, reason = cell_verdict(str(reply["kind"]), exit_code, total, limits)
     fields = {"stdout_truncated": out_cut, "stderr_truncated": err_cut}
-    if total > limits.output_kill_bytes:
-        status, reason = ExecStatus.OUTPUT_LIMIT, "output limit exceeded"
-    elif kind == "timeout":
-        status, reason = ExecStatus.TIMEOUT, f"wall-clock limit of {limits.timeout_s:g} s exceeded"
-    elif kind == "memory":
-        status, reason = ExecStatus.MEMORY, "memory limit exceeded"
-    elif kind == "error":
-        status, reason = ExecStatus.ERROR, f"exit code {exit_code}"
-    else:
-        status, reason = ExecStatus.OK, ""
     return ExecResult(status, exit_code, stdout, stderr, duration, reason, **fields)
+
+
+def cell_verdict(
+    kind: str, exit_code: int | None, total_output: int, limits: Limits
+) -> tuple[ExecStatus, str]:
+    """Status and reason of a session cell from the launcher's `kind` and the output it produced."""
+    if total_output > limits.output_kill_bytes:
+        return ExecStatus.OUTPUT_LIMIT, "output limit exceeded"
+    if kind == "timeout":
+        return ExecStatus.TIMEOUT, f"wall-clock limit of {limits.timeout_s:g} s exceeded"
+    if kind == "memory":
+        return ExecStatus.MEMORY, "memory limit exceeded"
+    if kind == "error":
+        return ExecStatus.ERROR, f"exit code {exit_code}"
+    return ExecStatus.OK, ""

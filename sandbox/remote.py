@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 import pydantic
 
+from sandbox._protocol import cell_verdict
 from sandbox.fusion_schema import (
     CommandRunStatus,
     RunCodeRequest,
@@ -574,15 +575,6 @@ def _cell_result(
     out, out_cut = _capped(stdout, limits.output_cap_bytes, int(status["stdout_total"]))
     err, err_cut = _capped(stderr, limits.output_cap_bytes, int(status["stderr_total"]))
     exit_code = status["exit_code"] if isinstance(status["exit_code"], int) else None
-    kind = status["kind"]
-    if int(status["stdout_total"]) + int(status["stderr_total"]) > limits.output_kill_bytes:
-        verdict, reason = ExecStatus.OUTPUT_LIMIT, "output limit exceeded"
-    elif kind == "timeout":
-        verdict, reason = ExecStatus.TIMEOUT, f"wall-clock limit of {limits.timeout_s:g} s exceeded"
-    elif kind == "memory":
-        verdict, reason = ExecStatus.MEMORY, "memory limit exceeded"
-    elif kind == "error":
-        verdict, reason = ExecStatus.ERROR, f"exit code {exit_code}"
-    else:
-        verdict, reason = ExecStatus.OK, ""
+    total = int(status["stdout_total"]) + int(status["stderr_total"])
+    verdict, reason = cell_verdict(str(status["kind"]), exit_code, total, limits)
     return ExecResult(verdict, exit_code, out, err, duration, reason, out_cut, err_cut)
