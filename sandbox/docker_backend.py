@@ -28,12 +28,14 @@ import contextlib
 import functools
 import json
 import os
+import socket
 import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -63,6 +65,9 @@ LABEL = "pacerl.sandbox"
 """Label on every container this backend creates (value "1")."""
 BACKEND_LABEL = "pacerl.sandbox.backend"
 """Label whose value identifies the backend instance that created a container (for cleanup)."""
+OWNER_LABEL = "pacerl.sandbox.owner"
+"""Label naming the process that created a container (`host:pid:start-time`): containers whose
+process died without closing its backend (SIGKILL, OOM) are removed by the next backend on the host."""
 
 _FAILURES = (DockerException, OSError, EOFError)
 """What a failing daemon raises: SDK errors, connection errors (requests' are OSErrors), cut streams."""
@@ -245,7 +250,7 @@ class DockerBackend:
         self.options = options or DockerOptions()
         self._url = self.options.base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
         self._address = _parse_address(self._url)
-        self._labels = {LABEL: "1", BACKEND_LABEL: uuid.uuid4().hex}
+        self._labels = {LABEL: "1", BACKEND_LABEL: uuid.uuid4().hex, OWNER_LABEL: _this_process()}
         # Nothing here talks to the daemon: a backend made while dockerd is down works once it is back.
         self._executor = concurrent.futures.ThreadPoolExecutor(
             self.options.api_threads, thread_name_prefix="pacerl-docker"
@@ -292,6 +297,7 @@ class DockerBackend:
                 # costs far less than those idle descriptors.
                 client.api.headers["Connection"] = "close"
                 self._client = client
+                _reap_orphans(client.api)
             return self._client.api
 
     async def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -821,6 +827,36 @@ class DockerSession:
                     box.stream.close()
                 await self._backend._remove(box)
         self._backend._sessions.discard(self)
+
+
+def _this_process() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid())}"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (tells a live process from a reused pid)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _reap_orphans(api: Any) -> None:
+    """Remove sandbox containers whose creating process on this host is gone."""
+    try:
+        found = api.containers(all=True, filters={"label": f"{LABEL}=1"})
+    except _FAILURES:
+        return  # the daemon is down; the next client will try again
+    host = socket.gethostname()
+    for container in found:
+        owner = container.get("Labels", {}).get(OWNER_LABEL, "")
+        owner_host, _, rest = owner.partition(":")
+        pid, _, started = rest.partition(":")
+        if owner_host != host or not pid.isdigit() or _start_time(int(pid)) == started:
+            continue
+        with contextlib.suppress(*_FAILURES):
+            api.remove_container(container["Id"], force=True)
 
 
 def _parse_address(url: str) -> tuple[str, str, int]:

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from sandbox import ExecStatus, Limits, Sandbox
-from sandbox.docker_backend import BACKEND_LABEL, DockerBackend, DockerOptions
+from sandbox.docker_backend import BACKEND_LABEL, OWNER_LABEL, DockerBackend, DockerOptions
 
 pytestmark = pytest.mark.docker
 
@@ -223,6 +224,38 @@ def test_close_leaves_no_containers(docker_image: str) -> None:
     sandbox.close()
     sandbox.close()
     assert containers(sandbox) == []
+
+
+def test_containers_of_a_killed_host_process_are_reaped(docker_image: str) -> None:
+    import docker
+
+    script = (
+        "import time\n"
+        "from sandbox import Sandbox\n"
+        f"box = Sandbox('docker', image={docker_image!r}, warm_pool=2)\n"
+        "box.run('print(1)')\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    host = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    client = docker.DockerClient()
+    try:
+        assert host.stdout is not None and host.stdout.readline() == "ready\n"
+        owned = [
+            c["Id"]
+            for c in client.api.containers(all=True, filters={"label": OWNER_LABEL})
+            if c["Labels"][OWNER_LABEL].split(":")[1] == str(host.pid)
+        ]
+        assert owned, "the host process should own warm containers"
+        host.kill()  # no close(): its containers are orphans now
+        host.wait()
+        with Sandbox("docker", image=docker_image, warm_pool=0) as successor:
+            assert successor.run("print(2)").stdout == "2\n"
+        left = {c["Id"] for c in client.api.containers(all=True, filters={"label": OWNER_LABEL})}
+        assert not left & set(owned), "orphaned containers survived the next backend's start"
+    finally:
+        host.kill()
+        client.close()
 
 
 async def test_concurrent_runs(docker_sandbox: Sandbox) -> None:
