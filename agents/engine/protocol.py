@@ -1,0 +1,111 @@
+"""The inference-engine protocol shared by the embedded engine and the SGLang client.
+
+A generation returns, next to its tokens and behaviour log-probs, the policy version of every token:
+when new weights arrive mid-generation the engine either finishes the request under them (embedded)
+or aborts it (SGLang), and the rollout driver turns each run of one version into its own segment.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class FinishReason(enum.StrEnum):
+    """Why a generation stopped."""
+
+    STOP = "stop"
+    """An end-of-sequence or stop token (or stop string) was produced."""
+    LENGTH = "length"
+    """`max_new_tokens` or the context limit was reached."""
+    ABORT = "abort"
+    """The request was aborted (by the caller, or by the engine for a weight update)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one generation. Invalid values fail here, before any work starts."""
+
+    max_new_tokens: int = 256
+    """Tokens to generate at most."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy. Log-probs are those of the distribution sampled from."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end the generation (kept in the output), besides the model's end-of-sequence."""
+    stop_strings: tuple[str, ...] = ()
+    """Text that ends the generation when the decoded output ends with it (e.g. `</tool_call>`)."""
+    seed: int | None = None
+    """Seed of this request's sampler (None: the engine's generator)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            problems.append(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            problems.append(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            problems.append("stop_token_ids must be non-negative ints")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            problems.append("stop_strings must be non-empty strings")
+        if problems:
+            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one `generate` call produced."""
+
+    tokens: tuple[int, ...]
+    """Generated token ids (the prompt excluded)."""
+    logprobs: tuple[float, ...]
+    """Behaviour log-prob of each generated token under the distribution it was sampled from."""
+    versions: tuple[int, ...]
+    """Policy version that produced each token."""
+    finish_reason: FinishReason
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
+    """Experts routed to, `[len(prompt) + len(tokens) - 1, layers, top_k]` (SGLang's layout: every
+    position whose next token was computed), when asked for and the model is a MoE."""
+
+    def __post_init__(self) -> None:
+        if not len(self.tokens) == len(self.logprobs) == len(self.versions):
+            raise ValueError("tokens, logprobs and versions must have one entry per generated token")
+
+
+class Engine(Protocol):
+    """An inference engine the rollout driver talks to."""
+
+    @property
+    def version(self) -> int:
+        """The policy version of the weights now loaded."""
+        ...
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        return_routed_experts: bool = False,
+    ) -> Generation: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+    async def health(self) -> bool: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,183 @@
+"""The embedded engine: continuous batching that matches plain generation, exact log-probs, version
+tags across a weight update, routed experts, aborts and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from agents.engine.embedded import ContextOverflowError, EmbeddedEngine, EmbeddedEngineConfig, _GateRecorder
+from agents.engine.protocol import FinishReason, SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
+
+
+def tiny_moe(seed: int = 0) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128,
+        max_position_embeddings=256, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+def reference_greedy(model: Qwen3MoeForCausalLM, prompt: list[int], steps: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+async def generated_at_least(engine: EmbeddedEngine, count: int) -> None:
+    """Wait (step by step) until the engine's first running request has `count` tokens."""
+    for _ in range(100_000):
+        if engine._rows and len(engine._rows[0].tokens) >= count:
+            return
+        await asyncio.sleep(0)
+    raise TimeoutError("the engine made no progress")
+
+
+def full_logprobs(model: Qwen3MoeForCausalLM, prompt: list[int], tokens: tuple[int, ...]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + list(tokens)])).logits[0].float()
+    table = torch.log_softmax(logits, -1)
+    return [float(table[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+
+async def test_continuous_batching_matches_one_by_one_greedy() -> None:
+    model = tiny_moe()
+    engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_batch=4))
+    prompts = [[5 + i % 7] * (2 + 3 * i) for i in range(10)]  # different lengths join and leave
+    lengths = [3 + 2 * (i % 4) for i in range(10)]
+    results = await asyncio.gather(
+        *(
+            engine.generate(p, SamplingParams(max_new_tokens=n, temperature=0))
+            for p, n in zip(prompts, lengths, strict=True)
+        )
+    )
+    await engine.aclose()
+    for prompt, length, result in zip(prompts, lengths, results, strict=True):
+        assert list(result.tokens) == reference_greedy(model, prompt, length)
+        assert result.finish_reason is FinishReason.LENGTH and result.versions == (0,) * length
+        assert result.logprobs == pytest.approx(full_logprobs(model, prompt, result.tokens), abs=1e-5)
+
+
+async def test_sampled_logprobs_are_those_of_the_sampling_distribution() -> None:
+    model = tiny_moe()
+    engine = EmbeddedEngine(model)
+    prompt = [7, 8, 9]
+    result = await engine.generate(prompt, SamplingParams(max_new_tokens=8, temperature=0.7, seed=3))
+    await engine.aclose()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + list(result.tokens)])).logits[0].float() / 0.7
+    table = torch.log_softmax(logits, -1)
+    expected = [float(table[len(prompt) - 1 + i, t]) for i, t in enumerate(result.tokens)]
+    assert result.logprobs == pytest.approx(expected, abs=1e-5)
+    again = EmbeddedEngine(model)
+    assert (
+        await again.generate(prompt, SamplingParams(max_new_tokens=8, temperature=0.7, seed=3))
+    ).tokens == result.tokens
+    await again.aclose()
+
+
+@pytest.mark.parametrize("interrupt", ["reprefill", "continue"])
+async def test_weight_update_mid_generation_tags_versions(interrupt: str) -> None:
+    model = tiny_moe()
+    engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(interrupt=interrupt))  # type: ignore[arg-type]
+    new_weights = {k: v + 0.05 * torch.randn_like(v) for k, v in tiny_moe(seed=1).state_dict().items()}
+    prompt = [3, 4, 5, 6]
+    task = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_new_tokens=20, temperature=0)))
+    await generated_at_least(engine, 6)
+    await engine.update_weights(new_weights, version=1)
+    result = await task
+    await engine.aclose()
+    switch = result.versions.index(1)
+    assert 6 <= switch < 20
+    assert result.versions == (0,) * switch + (1,) * (20 - switch)  # the tag changes exactly once
+    old = tiny_moe()
+    assert list(result.tokens[:switch]) == reference_greedy(old, prompt, switch)
+    if interrupt == "reprefill":
+        # Resumed under the new weights, the rest equals a fresh greedy generation under them.
+        fresh = tiny_moe()
+        fresh.load_state_dict(new_weights)
+        prefix = prompt + list(result.tokens[:switch])
+        assert list(result.tokens[switch:]) == reference_greedy(fresh, prefix, 20 - switch)
+        expected = full_logprobs(fresh, prefix, result.tokens[switch:])
+        assert result.logprobs[switch:] == pytest.approx(expected, abs=1e-5)
+
+
+async def test_routed_experts_cover_every_fed_position() -> None:
+    model = tiny_moe()
+    engine = EmbeddedEngine(model)
+    assert engine.is_moe
+    prompt = [10, 11, 12, 13, 14]
+    result = await engine.generate(prompt, GREEDY, return_routed_experts=True)
+    plain = await engine.generate(prompt, GREEDY)
+    await engine.aclose()
+    routes = result.routed_experts
+    assert routes is not None and plain.routed_experts is None
+    assert routes.shape == (len(prompt) + len(result.tokens) - 1, 2, 2)  # SGLang's layout
+    assert routes.min() >= 0 and routes.max() < 8
+    assert all(len(set(row)) == 2 for layer_rows in routes for row in layer_rows)  # top-2 distinct experts
+    # The routes are those a plain forward over the same positions chooses (one request: no padding).
+    recorder = _GateRecorder(model)
+    with torch.no_grad():
+        model(torch.tensor([prompt + list(result.tokens[:-1])]))
+    full = recorder.take()
+    recorder.close()
+    assert full is not None
+    assert (routes == full).all()
+
+
+async def test_abort_stop_tokens_and_bad_input() -> None:
+    model = tiny_moe()
+    engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_context=64))
+    task = asyncio.ensure_future(
+        engine.generate([1, 2, 3], SamplingParams(max_new_tokens=50, temperature=0), request_id="a")
+    )
+    await generated_at_least(engine, 3)
+    await engine.abort("a")
+    aborted = await task
+    assert aborted.finish_reason is FinishReason.ABORT and 3 <= len(aborted.tokens) < 50
+    first = (await engine.generate([9, 9], GREEDY)).tokens[2]
+    stopped = await engine.generate(
+        [9, 9], SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(first,))
+    )
+    assert (
+        stopped.finish_reason is FinishReason.STOP
+        and stopped.tokens[-1] == first
+        and len(stopped.tokens) <= 3
+    )
+    long = await engine.generate([2] * 60, SamplingParams(max_new_tokens=50, temperature=0))
+    assert long.finish_reason is FinishReason.LENGTH and len(long.tokens) == 4  # the context is full
+    with pytest.raises(ContextOverflowError, match="the context holds 64"):
+        await engine.generate([2] * 64, GREEDY)
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        await engine.generate([], GREEDY)
+    with pytest.raises(ValueError, match=r"must exceed the current 0"):
+        await engine.update_weights({}, version=0)
+    with pytest.raises(ValueError, match="unknown parameter names"):
+        await engine.update_weights({"nope": torch.zeros(1)}, version=1)
+    assert await engine.health()
+    await engine.aclose()
+    assert not await engine.health()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be a positive int"),
+        ({"temperature": -1.0}, "temperature must be finite"),
+        ({"temperature": float("nan")}, "temperature must be finite"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -2}, "top_k must be an int"),
+        ({"stop_strings": ("",)}, "stop_strings must be non-empty"),
+    ],
+)
+def test_invalid_sampling_parameters_fail_before_work(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**changes)  # type: ignore[arg-type]
