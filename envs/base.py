@@ -9,6 +9,7 @@ timeouts and dead services all become tool messages the model reads, flagged in 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -136,7 +137,14 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
         """The sync face of `astep` (runs it on this env's own loop)."""
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(self.astep(action))
+        loop = self._loop
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the usual case: no loop in this thread
+            return loop.run_until_complete(self.astep(action))
+        # Called from async code (a notebook, a test): run on the env's loop in a helper thread.
+        with concurrent.futures.ThreadPoolExecutor(1) as worker:
+            return worker.submit(loop.run_until_complete, self.astep(action)).result()
 
     async def astep(self, action: str) -> tuple[tuple[Message, ...], float, bool, bool, dict[str, Any]]:
         """Take the assistant's message: run its tool calls, or end the episode on a final answer."""

@@ -1,0 +1,249 @@
+"""The multi-turn rollout driver: episodes of an env against an engine, recorded token-exactly.
+
+reset → render the chat template → generate until a tool call closes or the turn ends → `astep` →
+append the tool response → … until the env terminates or truncates. The tokens the model generated
+are kept as they are (never re-tokenized); each tool response is tokenized once, as the chat
+template renders it, so the record decodes to exactly the rendered conversation.
+
+Generated tokens become model segments, one per run of a single policy version: an engine that
+finishes a request under new weights reports the switch in its per-token versions, and an engine
+that aborts for a weight update (SGLang) is resumed with the accumulated tokens, which again starts a
+new segment. Failures never kill the batch: a trajectory ends `failed` with its reason, the group
+policy keeps or drops its group, and every outcome is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from agents.engine.embedded import ContextOverflowError
+from agents.engine.protocol import Engine, FinishReason, Generation, SamplingParams
+from agents.routing import RoutedExperts
+from agents.trajectory import Status, Trajectory
+from envs import Message, Task, ToolEnv
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How episodes are sampled."""
+
+    group_size: int = 8
+    """Responses sampled per prompt (one group, for group-relative advantages)."""
+    sampling: SamplingParams = field(
+        default_factory=lambda: SamplingParams(
+            max_new_tokens=64, temperature=1.0, stop_strings=("</tool_call>",)
+        )
+    )
+    """Sampling of each assistant turn; `max_new_tokens` is per turn."""
+    max_total_tokens: int = 1024
+    """Context budget of a whole episode (prompt, generations and tool responses)."""
+    engine_retries: int = 2
+    """Times a failed engine call is retried before the trajectory ends `failed`."""
+    on_failure: Literal["keep", "drop_group"] = "drop_group"
+    """A group with a failed trajectory: keep the others, or drop the whole group (its advantages
+    would otherwise be computed over fewer samples than the rest)."""
+    record_routes: bool = True
+    """Ask the engine for routed experts (R3) when the model is a MoE."""
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or self.max_total_tokens < 2 or self.engine_retries < 0:
+            raise ValueError("group_size >= 1, max_total_tokens >= 2 and engine_retries >= 0 are required")
+        if self.on_failure not in ("keep", "drop_group"):
+            raise ValueError(f"on_failure must be keep or drop_group, got {self.on_failure!r}")
+
+
+class RolloutDriver:
+    """Plays episodes of `make_env()` environments with `engine`, many at once on one loop."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        make_env: Callable[[], ToolEnv],
+        config: RolloutConfig | None = None,
+        *,
+        num_experts: int = 0,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.make_env = make_env
+        self.config = config or RolloutConfig()
+        self.num_experts = num_experts
+        """Experts per MoE layer of the engine's model (0 for a dense model: no routes recorded)."""
+        self.counts: Counter[str] = Counter()
+        """Outcomes so far: `status:<status>`, `reason:<reason>`, `resumed`, `dropped_groups`."""
+        self._ids = itertools.count()
+        self._eos_text = tokenizer.eos_token or ""
+        probe = self._render([{"role": "assistant", "content": "\x00"}], None, generation_prompt=False)
+        self._assistant_tail = probe[probe.index("\x00") + 1 :]
+        """What the template writes after an assistant message's content (e.g. `<|im_end|>\n`)."""
+
+    async def rollout_group(self, task: Task, group_id: str | None = None) -> list[Trajectory]:
+        """`group_size` episodes on one task. A failed member drops the group if so configured."""
+        group = group_id or f"group-{next(self._ids)}"
+        episodes = [self.rollout(task, group, f"{group}/{i}") for i in range(self.config.group_size)]
+        trajectories = list(await asyncio.gather(*episodes))
+        if self.config.on_failure == "drop_group" and any(t.status is Status.FAILED for t in trajectories):
+            self.counts["dropped_groups"] += 1
+            return []
+        return trajectories
+
+    async def rollout(self, task: Task, group_id: str, trajectory_id: str) -> Trajectory:
+        """One episode; always returns a finished trajectory (failures included)."""
+        env = self.make_env()
+        try:
+            trajectory = await self._play(env, task, group_id, trajectory_id)
+        finally:
+            env.close()
+        self.counts[f"status:{trajectory.status.value}"] += 1
+        if trajectory.status is not Status.COMPLETED:
+            self.counts[f"reason:{trajectory.status_reason}"] += 1
+        return trajectory
+
+    async def _play(self, env: ToolEnv, task: Task, group_id: str, trajectory_id: str) -> Trajectory:
+        observation, _ = env.reset(options={"task": task})
+        messages: list[Message] = list(observation)
+        tools = env.tool_schemas() or None
+        prompt = self._encode(self._render(messages, tools, generation_prompt=True))
+        trajectory = Trajectory.start(trajectory_id, group_id, task.id, prompt)
+        while True:
+            turn = await self._generate_turn(trajectory)
+            if isinstance(turn, str):  # why the turn could not be generated
+                status = Status.TRUNCATED if turn.startswith("context") else Status.FAILED
+                return self._finish(trajectory, status, turn, 0.0)
+            content = self._decode_content(turn)
+            observation, reward, terminated, truncated, info = await env.astep(content)
+            if terminated or truncated:
+                status = Status.COMPLETED if terminated else Status.TRUNCATED
+                reason = "" if terminated else str(info.get("truncation_reason") or "truncated")
+                return self._finish(trajectory, status, reason, float(reward), info)
+            # The tool turn: exactly what the template renders between this assistant message and
+            # the next generation prompt, tokenized once.
+            assistant: Message = {"role": "assistant", "content": content}
+            before = self._render([*messages, assistant], tools, generation_prompt=False)
+            after = self._render([*messages, assistant, *observation], tools, generation_prompt=True)
+            if not after.startswith(before):
+                return self._finish(trajectory, Status.FAILED, "chat template is not prefix-stable", 0.0)
+            generated_text = self.tokenizer.decode(turn, skip_special_tokens=False)
+            already = generated_text[len(content) :]  # the part of the closing the model emitted itself
+            closing = self._assistant_tail.removeprefix(already)
+            trajectory.append_tool(self._encode(closing + after[len(before) :]))
+            messages += [assistant, *observation]
+
+    async def _generate_turn(self, trajectory: Trajectory) -> list[int] | str:
+        """Generate one assistant turn into `trajectory` (resuming across aborts); its tokens, or why not."""
+        produced: list[int] = []
+        budget = self.config.sampling.max_new_tokens
+        failures = 0
+        while True:
+            room = self.config.max_total_tokens - len(trajectory.tokens)
+            if room <= 0:
+                return "context budget exhausted"
+            sampling = replace(self.config.sampling, max_new_tokens=max(1, min(budget - len(produced), room)))
+            started = time.time()
+            try:
+                generation = await self.engine.generate(
+                    list(trajectory.tokens),
+                    sampling,
+                    return_routed_experts=self.num_experts > 0 and self.config.record_routes,
+                )
+            except ContextOverflowError as error:
+                return f"context overflow: {error}"
+            except (RuntimeError, OSError, TimeoutError) as error:
+                failures += 1
+                log.warning("engine call failed (%d/%d): %s", failures, self.config.engine_retries + 1, error)
+                if failures > self.config.engine_retries:
+                    return f"engine failed: {error}"
+                continue
+            self._append_generation(trajectory, generation, started, time.time())
+            produced += generation.tokens
+            if generation.finish_reason is not FinishReason.ABORT:
+                return produced
+            if not generation.tokens and failures > self.config.engine_retries:
+                return "engine keeps aborting"
+            self.counts["resumed"] += 1  # interrupted (weight update): continue under the new version
+            if len(produced) >= budget:
+                return produced
+
+    def _append_generation(
+        self, trajectory: Trajectory, generation: Generation, started: float, ended: float
+    ) -> None:
+        """One model segment per run of a single version."""
+        tokens, versions = generation.tokens, generation.versions
+        routes = generation.routed_experts
+        rows = routes[len(routes) - len(tokens) :] if routes is not None and len(tokens) else None
+        reason = generation.finish_reason.value
+        start = 0
+        for version, run in itertools.groupby(range(len(tokens)), key=lambda i: versions[i]):
+            count = len(list(run))
+            end = start + count
+            experts = None
+            if rows is not None:
+                experts = RoutedExperts.from_array(rows[start:end], num_experts=self.num_experts)
+            trajectory.append_model(
+                tokens[start:end],
+                generation.logprobs[start:end],
+                version=version,
+                started_at=started,
+                ended_at=ended,
+                routed_experts=experts,
+                finish_reason=reason if end == len(tokens) else "weight_update",
+            )
+            start = end
+
+    def _finish(
+        self,
+        trajectory: Trajectory,
+        status: Status,
+        reason: str,
+        reward: float,
+        info: dict[str, Any] | None = None,
+    ) -> Trajectory:
+        env_info = _jsonable(info or {})
+        reward_value: float | None = reward if status in (Status.COMPLETED, Status.TRUNCATED) else None
+        trajectory.finish(
+            status,
+            reason=reason,
+            reward=reward_value,
+            env_info=env_info,
+            completed_version=max([self.engine.version, *trajectory.versions]),
+            completed_at=time.time(),
+        )
+        return trajectory
+
+    def _render(
+        self, messages: Sequence[Message], tools: list[dict[str, Any]] | None, *, generation_prompt: bool
+    ) -> str:
+        text: str = self.tokenizer.apply_chat_template(
+            list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+        return text
+
+    def _encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def _decode_content(self, tokens: Sequence[int]) -> str:
+        text: str = self.tokenizer.decode(list(tokens), skip_special_tokens=False)
+        return text.removesuffix(self._eos_text) if self._eos_text else text
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    return str(value)
