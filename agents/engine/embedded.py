@@ -257,53 +257,69 @@ class EmbeddedEngine:
             raise
 
     def _step(self) -> None:
-        """One engine step: admit waiting requests, then decode one token for every row."""
+        """One engine step: admit waiting requests (one batched prefill), then decode every row."""
+        admitted = []
         for request in list(self._pending):
             if request.aborted:
                 request.finish = FinishReason.ABORT
                 self._pending.remove(request)
                 self._resolve(request)
-            elif len(self._rows) < self.config.max_batch:
+            elif len(self._rows) + len(admitted) < self.config.max_batch:
                 self._pending.remove(request)
-                self._admit(request)
-        live = [r for r in self._rows if r.finish is None]
-        if live:
+                admitted.append(request)
+        if admitted:
+            logits = self._prefill(admitted, [r.prompt for r in admitted], record=True)
+            first_row = len(self._rows) - len(admitted)
+            for offset, request in enumerate(admitted):
+                self._emit(request, logits[offset], first_row + offset)
+        if any(r.finish is None for r in self._rows):
             self._decode()
         self.steps += 1
 
     @torch.no_grad()
-    def _admit(self, request: _Request) -> None:
-        ids = torch.tensor([request.prompt], dtype=torch.long, device=self.device)
+    def _prefill(self, requests: list[_Request], sequences: list[list[int]], record: bool) -> torch.Tensor:
+        """Run `sequences` through the model as one left-padded batch, add them as rows, and return
+        each one's next-token logits."""
+        width = max(len(seq) for seq in sequences)
+        ids = torch.tensor([[self._pad] * (width - len(seq)) + seq for seq in sequences], dtype=torch.long)
+        mask = torch.tensor(
+            [[0] * (width - len(seq)) + [1] * len(seq) for seq in sequences], dtype=torch.long
+        )
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, cache=cache, use_cache=True)
-        routes = self._recorder.take()
-        if request.want_routes and routes is not None:
-            request.routes.extend(routes)
-        self._join(request, cache, len(request.prompt))
-        self._emit(request, out.logits[0, -1])
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            cache=cache,
+            use_cache=True,
+        )
+        routes = self._recorder.take()  # [len(sequences) * width, layers, top_k]
+        if record and routes is not None:
+            per_row = routes.reshape(len(sequences), width, *routes.shape[1:])
+            for request, seq, rows in zip(requests, sequences, per_row, strict=True):
+                if request.want_routes:
+                    request.routes.extend(rows[width - len(seq) :])
+        self._join(requests, cache, mask)
+        return out.logits[:, -1]
 
-    def _join(self, request: _Request, cache: DynamicCache, length: int) -> None:
-        """Add a prefilled request as a new row, left-padding whichever side is shorter."""
+    def _join(self, requests: list[_Request], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Append prefilled rows to the batch, left-padding whichever side is shorter."""
+        lengths = mask.sum(-1)
         if self._cache is None or not self._rows:
-            self._cache, self._mask = cache, torch.ones((1, length), dtype=torch.long)
-            self._rows = [request]
-            self._next_position = torch.tensor([length])
-            self._last = torch.tensor([self._pad])
+            self._cache, self._mask, self._rows = cache, mask, list(requests)
+            self._next_position, self._last = lengths.clone(), torch.full((len(requests),), self._pad)
             return
-        width = self._mask.shape[1]
-        target = max(width, length)
+        target = max(self._mask.shape[1], mask.shape[1])
         for mine, theirs in zip(_kv_layers(self._cache), _kv_layers(cache), strict=True):
             mine.keys, mine.values = (
                 torch.cat([_left_pad(mine.keys, target), _left_pad(theirs.keys, target)]),
                 torch.cat([_left_pad(mine.values, target), _left_pad(theirs.values, target)]),
             )
-        new_mask = torch.cat(
-            [torch.zeros(1, target - length, dtype=torch.long), torch.ones(1, length, dtype=torch.long)], 1
-        )
-        self._mask = torch.cat([_left_pad_mask(self._mask, target), new_mask])
-        self._rows.append(request)
-        self._next_position = torch.cat([self._next_position, torch.tensor([length])])
-        self._last = torch.cat([self._last, torch.tensor([self._pad])])
+        self._mask = torch.cat([_left_pad_mask(self._mask, target), _left_pad_mask(mask, target)])
+        self._rows += requests
+        self._next_position = torch.cat([self._next_position, lengths])
+        self._last = torch.cat([self._last, torch.full((len(requests),), self._pad)])
 
     @torch.no_grad()
     def _decode(self) -> None:
@@ -326,7 +342,7 @@ class EmbeddedEngine:
                 request.routes.append(routes[row])
             self._emit(request, out.logits[row, -1], row)
 
-    def _emit(self, request: _Request, logits: torch.Tensor, row: int | None = None) -> None:
+    def _emit(self, request: _Request, logits: torch.Tensor, row: int) -> None:
         """Sample the next token of `request` from `logits` and decide whether it is finished."""
         if request.aborted:
             request.finish = FinishReason.ABORT
@@ -335,10 +351,10 @@ class EmbeddedEngine:
         request.tokens.append(token)
         request.logprobs.append(logprob)
         request.versions.append(self._version)
-        index = len(self._rows) - 1 if row is None else row
-        self._last[index] = token
+        self._last[row] = token
         sampling = request.sampling
-        if token in self._eos or token in sampling.stop_token_ids or self._hit_stop_string(request):
+        eos = token in self._eos and not sampling.ignore_eos
+        if eos or token in sampling.stop_token_ids or self._hit_stop_string(request):
             request.finish = FinishReason.STOP
         elif (
             len(request.tokens) >= sampling.max_new_tokens
@@ -424,15 +440,10 @@ class EmbeddedEngine:
     def _reprefill(self) -> None:
         """Rebuild every running row's KV cache under the current weights (AReaL's interruption)."""
         rows, self._rows, self._cache = self._rows, [], None
-        for request in rows:
-            # The last sampled token has not been fed yet; everything before it is recomputed.
-            fed = request.prompt + request.tokens[:-1]
-            cache = DynamicCache()
-            self.model(input_ids=torch.tensor([fed], device=self.device), cache=cache, use_cache=True)
-            self._recorder.take()  # the recorded routes stay those the tokens were generated with
-            last = request.tokens[-1]
-            self._join(request, cache, len(fed))
-            self._last[-1] = last
+        # The last sampled token of each row has not been fed yet; everything before it is recomputed.
+        # The routes recorded for those tokens stay: they are the ones the tokens were generated with.
+        self._prefill(rows, [r.prompt + r.tokens[:-1] for r in rows], record=False)
+        self._last = torch.tensor([r.tokens[-1] for r in rows])
 
 
 def _kv_layers(cache: DynamicCache) -> list[DynamicLayer]:

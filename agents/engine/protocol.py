@@ -46,6 +46,8 @@ class SamplingParams:
     """Text that ends the generation when the decoded output ends with it (e.g. `</tool_call>`)."""
     seed: int | None = None
     """Seed of this request's sampler (None: the engine's generator)."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (benchmarks; SGLang has the same switch)."""
 
     def __post_init__(self) -> None:
         problems = []

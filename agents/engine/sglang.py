@@ -1,0 +1,790 @@
+"""The SGLang engine: the Engine protocol over an SGLang server's native HTTP API, and its launch line.
+
+Written against sglang 0.5.23, the version pyproject's `sglang` extra pins (the PyPI wheel
+`sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl`, tag v0.5.23 of github.com/sgl-project/sglang),
+from these files of it:
+
+- `python/sglang/srt/entrypoints/http_server.py`: the routes (`POST /generate`, `POST /abort_request`
+  answering 200 with no body, `POST /pause_generation` and `/continue_generation` answering
+  `{"message", "status": "ok"}`, `POST /update_weights_from_disk` answering `{"success", "message",
+  "num_paused_requests"}` with HTTP 400 when `success` is false, `GET /health_generate` answering 200
+  or 503 after generating one token, `GET /model_info` with `/get_model_info` its deprecated alias),
+  and the error bodies: 400 `{"error": {"message"}}` for a refused generation, 400 `{"object": "error",
+  "message", ...}` for a body that does not parse, 400 `{"error": "..."}` from the JSON contract gate.
+- `python/sglang/srt/managers/io_struct.py`: `GenerateReqInput` (`input_ids`, `sampling_params`, `rid`,
+  `return_logprob`, `logprob_start_len` (-1: no prompt log-probs), `return_routed_experts`),
+  `UpdateWeightFromDiskReqInput` (`model_path`, `load_format`, `abort_all_requests`, `weight_version`),
+  `AbortReq` (`rid`, `abort_all`), `PauseGenerationReqInput` (`mode`: abort | retract | in_place).
+- `python/sglang/srt/managers/tokenizer_manager.py`: the answer `{"text", "output_ids", "meta_info"}`
+  whose `meta_info` holds `id`, `finish_reason`, `prompt_tokens`, `completion_tokens`,
+  `weight_version`, `output_token_logprobs` (`[logprob, token_id, text-or-None]` per generated token)
+  and `routed_experts`; `pause_generation(mode="abort")` aborts every request, waits until none is
+  left, and holds new ones until `continue_generation`; a request aborted while running comes back
+  normally (HTTP 200) with its partial output and `finish_reason.type == "abort"`; `abort_request`
+  aborts every request whose rid *starts with* the given one.
+- `python/sglang/srt/managers/schedule_batch.py`: finish reasons `{"type": "stop", "matched": id or
+  text}`, `{"type": "length", "length"}`, `{"type": "abort", "message", "status_code", "err_type"}`.
+- `python/sglang/srt/sampling/sampling_params.py`: `top_k=-1` turns top-k off (0 is an error),
+  temperature below 1e-6 is greedy, at most 32 stop strings, `sampling_seed`, `no_stop_trim`.
+- `python/sglang/srt/layers/sampler.py`: the returned log-probs are `log_softmax(logits / T)` *before*
+  top-k/top-p truncation (greedy: `log_softmax(logits)`), so they are the behaviour log-probs only
+  while no truncation is on (see `SGLangOptions.allow_untruncated_logprobs`).
+- `python/sglang/srt/state_capturer/routed_experts.py`,
+  `python/sglang/srt/managers/scheduler_components/batch_result_processor.py` and
+  `python/sglang/srt/managers/detokenizer_manager.py`: routed experts are int32
+  `(prompt + completion − 1, num_hidden_layers, num_experts_per_tok)` (rows of positions whose next
+  token was computed), captured only with `--enable-return-routed-experts`, sent as base64 of the
+  raw little-endian bytes.
+- `python/sglang/srt/utils/weight_versions.py`: `meta_info["weight_versions"]` spans
+  `{"version", "start", "end"}` over the output tokens when the weights changed mid-request.
+- `python/sglang/srt/arg_groups/fields/exec_.py` and `.../serving.py`: `--enable-return-routed-experts`,
+  `--weight-version` (default "default"), `--host`, `--port`; `--model-path` in `.../model.py`.
+
+Versions. A token's version is the server's `weight_version` (its spans when present) whenever that
+is an integer, which it always is for a server launched by `launch_command` (`--weight-version`) and
+updated by this client (`weight_version` is sent with every update); otherwise it is this client's
+version when the request was sent. Requests wait while this client updates weights, so both agree.
+
+Weight updates go through disk: a state_dict is written as safetensors (plus the base model's config
+files) into `SGLangOptions.weights_dir`, then generation is paused with mode "abort" (or, on a server
+without `/pause_generation`, every request is aborted by the update itself), the server loads the
+directory, and generation continues. Each in-flight request comes back `FinishReason.ABORT` with the
+tokens it had; the rollout driver resumes it from those tokens as a new segment under the new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from agents.engine.embedded import ContextOverflowError
+from agents.engine.protocol import FinishReason, Generation, SamplingParams
+
+MAX_STOP_STRINGS = 32
+"""SGLang's `MAX_STOP_COUNT`: more stop strings are refused by the server."""
+
+_RETRY_STATUS = frozenset({500, 502, 503, 504})
+_OVERFLOW = re.compile(r"longer than the model's context length|exceeds the model's maximum context length")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+_CHECKPOINT = re.compile(r"version-(\d+)")
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Where configs of MoE families (Qwen-MoE, Mixtral, DeepSeek) keep the experts per layer."""
+
+
+class SGLangError(RuntimeError):
+    """A failure talking to an SGLang server."""
+
+
+class SGLangUnavailable(SGLangError):  # noqa: N818 (the name the rollout side catches)
+    """The server could not be reached, or gave no answer in time, after the allowed retries."""
+
+
+class SGLangRequestError(SGLangError):
+    """The server refused a request (HTTP 4xx, or a weight update it reported as failed)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class SGLangProtocolError(SGLangError):
+    """The server's answer is not what SGLang 0.5.23 sends (or lacks something pacerl asked for)."""
+
+
+@dataclass(frozen=True)
+class SGLangOptions:
+    """How to reach one SGLang server and publish weights to it."""
+
+    url: str = "http://127.0.0.1:30000"
+    """Base URL of the server (`http(s)://host:port`)."""
+    connect_timeout_s: float = 5.0
+    """Seconds to open a connection before the attempt counts as failed."""
+    generate_timeout_s: float = 3600.0
+    """Seconds one `/generate` may take (a long generation in a busy server's queue included)."""
+    control_timeout_s: float = 60.0
+    """Seconds for `/abort_request`, `/pause_generation` (which waits for aborted requests to
+    drain), `/continue_generation` and `/model_info`."""
+    update_timeout_s: float = 1800.0
+    """Seconds for `/update_weights_from_disk` (reading a checkpoint from disk)."""
+    health_timeout_s: float = 30.0
+    """Seconds `health()` waits; SGLang's own check may take up to 20 s before it answers 503."""
+    retries: int = 2
+    """Further attempts after a connection failure (any call) or an HTTP 5xx / dropped connection
+    (calls that are safe to repeat: abort, pause, continue, model info)."""
+    backoff_s: float = 0.2
+    """Wait before the first retry; it doubles for each further retry."""
+    max_connections: int = 1024
+    """HTTP connections open at once; more requests wait for a free one."""
+    weights_dir: str | None = None
+    """Where `update_weights` writes a state_dict for the server to load, one `version-N` directory
+    per version. Must be readable by the server under the same path. Required to publish a state_dict."""
+    base_model_dir: str | None = None
+    """The base checkpoint whose non-weight files (config.json, tokenizer files, ...) are copied
+    next to each published state_dict, so every version directory is a complete checkpoint."""
+    keep_checkpoints: int = 1
+    """Version directories kept in `weights_dir` after a successful update (the loaded one included)."""
+    max_shard_bytes: int = 5 * 2**30
+    """Largest safetensors file written; a bigger state_dict is sharded with an index file."""
+    num_layers: int | None = None
+    """Layers in the routed-experts array (SGLang's `num_hidden_layers`); None reads the model's
+    config.json at the server's `model_path` (from `/model_info`), which must be readable here."""
+    top_k: int | None = None
+    """Experts per token in the routed-experts array (`num_experts_per_tok`); None: as num_layers."""
+    num_experts: int | None = None
+    """Experts per MoE layer, to check every routed index; None: from the config when readable."""
+    allow_untruncated_logprobs: bool = False
+    """SGLang returns log-probs before top-k/top-p truncation, not those of the distribution sampled
+    from; requests with truncation are refused unless this accepts those log-probs."""
+
+    def __post_init__(self) -> None:
+        try:
+            parsed = httpx.URL(self.url)
+        except httpx.InvalidURL as error:
+            raise ValueError(f"SGLangOptions.url={self.url!r} is not a URL: {error}") from None
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(f"SGLangOptions.url must be http(s)://host[:port], got {self.url!r}")
+        checks = [
+            ("connect_timeout_s", 0 < self.connect_timeout_s <= 600),
+            ("generate_timeout_s", 0 < self.generate_timeout_s <= 7 * 86400),
+            ("control_timeout_s", 0 < self.control_timeout_s <= 86400),
+            ("update_timeout_s", 0 < self.update_timeout_s <= 86400),
+            ("health_timeout_s", 0 < self.health_timeout_s <= 3600),
+            ("retries", 0 <= self.retries <= 100),
+            ("backoff_s", 0 <= self.backoff_s <= 600),
+            ("max_connections", 1 <= self.max_connections <= 100_000),
+            ("keep_checkpoints", 1 <= self.keep_checkpoints <= 1000),
+            ("max_shard_bytes", self.max_shard_bytes >= 1),
+        ]
+        for name, ok in checks:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not ok or not math.isfinite(value):
+                raise ValueError(f"SGLangOptions.{name}={value!r} is out of range")
+        for name in ("num_layers", "top_k", "num_experts"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"SGLangOptions.{name} must be None or an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    num_layers: int
+    top_k: int
+    num_experts: int | None
+
+
+class SGLangEngine:
+    """An SGLang server behind the Engine protocol (see the module docstring)."""
+
+    def __init__(self, options: SGLangOptions | None = None, version: int = 0) -> None:
+        self.options = options or SGLangOptions()
+        self._base = self.options.url.rstrip("/")
+        self._version = version
+        self._client: httpx.AsyncClient | None = None
+        self._updating = asyncio.Lock()
+        self._no_update = asyncio.Event()
+        self._no_update.set()
+        self._layout: _Layout | None = None
+        self._closed = False
+
+    @property
+    def version(self) -> int:
+        """The version of the weights this client last loaded into the server."""
+        return self._version
+
+    # -- the protocol --------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        return_routed_experts: bool = False,
+    ) -> Generation:
+        """Generate from `input_ids` on the server. An abort (by `abort` or a weight update) returns
+        the tokens generated so far with `FinishReason.ABORT`."""
+        self._check_open()
+        prompt = _prompt(input_ids)
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        body = {
+            "rid": rid,
+            "input_ids": prompt,
+            "sampling_params": self._sampling_params(sampling),
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "return_routed_experts": bool(return_routed_experts),
+            "stream": False,
+        }
+        await self._no_update.wait()
+        sent_version = self._version
+        response = await self._request(
+            "POST", "/generate", body, self.options.generate_timeout_s, repeatable=False
+        )
+        if response.status_code != 200:
+            message = _error_text(response)
+            if response.status_code == 400 and _OVERFLOW.search(message):
+                raise ContextOverflowError(message)
+            raise self._refused("/generate", response)
+        answer = _json(response, self._base + "/generate")
+        return await self._generation(answer, len(prompt), sent_version, return_routed_experts)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its `generate` returns what it had with `FinishReason.ABORT`.
+
+        SGLang aborts every request whose id starts with `request_id`; ids made by this client are
+        uuid4 hex strings of one length, so none is a prefix of another."""
+        self._check_open()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        response = await self._request(
+            "POST", "/abort_request", {"rid": request_id}, self.options.control_timeout_s, repeatable=True
+        )
+        if response.status_code != 200:
+            raise self._refused("/abort_request", response)
+
+    async def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int
+    ) -> None:
+        """Make `version` current: write `state_dict` under `weights_dir` (or take a directory that
+        already holds a safetensors checkpoint), pause the server (aborting in-flight requests), load
+        it, continue. The version changes only when the server reports success."""
+        self._check_open()
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"version must be an int, got {version!r}")
+        async with self._updating:
+            if version <= self._version:
+                raise ValueError(f"the new version {version} must exceed the current {self._version}")
+            written = not isinstance(state_dict, str | os.PathLike)
+            if isinstance(state_dict, str | os.PathLike):
+                # Absolute: the server resolves paths against its own working directory.
+                path = await asyncio.to_thread(os.path.abspath, os.fspath(state_dict))
+            else:
+                path = await asyncio.to_thread(self._write_checkpoint, state_dict, version)
+            self._no_update.clear()
+            try:
+                paused = await self._pause()
+                try:
+                    await self._load(path, version, abort_all=not paused)
+                    self._version = version
+                finally:
+                    if paused:
+                        await self._continue()
+            finally:
+                self._no_update.set()
+            if written:
+                await asyncio.to_thread(self._prune, version)
+
+    async def health(self) -> bool:
+        """True when the server generates (`/health_generate` answers 200 within `health_timeout_s`);
+        False on any failure, never an exception."""
+        if self._closed:
+            return False
+        limit = self.options.health_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                response = await self._http().get(
+                    self._base + "/health_generate",
+                    timeout=httpx.Timeout(limit, connect=min(limit, self.options.connect_timeout_s)),
+                )
+        except (httpx.HTTPError, TimeoutError):
+            return False
+        return response.status_code == 200
+
+    async def model_info(self) -> dict[str, Any]:
+        """The server's `/model_info` (`/get_model_info` on servers older than 0.5.23)."""
+        self._check_open()
+        timeout = self.options.control_timeout_s
+        response = await self._request("GET", "/model_info", None, timeout, repeatable=True)
+        path = "/model_info"
+        if response.status_code == 404:
+            path = "/get_model_info"
+            response = await self._request("GET", path, None, timeout, repeatable=True)
+        if response.status_code != 200:
+            raise self._refused(path, response)
+        answer = _json(response, self._base + path)
+        if not isinstance(answer, dict):
+            raise SGLangProtocolError(f"{self._base}{path} answered {type(answer).__name__}, not an object")
+        return answer
+
+    async def aclose(self) -> None:
+        """Close the HTTP client. Idempotent; the server keeps running."""
+        self._closed = True
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the SGLang engine client is closed")
+
+    def _http(self) -> httpx.AsyncClient:
+        # Built on first use so that its connections belong to the loop that runs the requests.
+        if self._client is None:
+            limit = self.options.max_connections
+            self._client = httpx.AsyncClient(
+                limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+            )
+        return self._client
+
+    async def _request(
+        self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float, *, repeatable: bool
+    ) -> httpx.Response:
+        """One call with bounded retries. A connection that never opened is retried for any call;
+        a dropped connection or HTTP 5xx only for `repeatable` calls (a repeated /generate would run
+        twice). Returns the last response; raises `SGLangUnavailable` when none came."""
+        options = self.options
+        url = self._base + path
+        budget = httpx.Timeout(timeout_s, connect=options.connect_timeout_s)
+        deadline = options.connect_timeout_s + timeout_s
+        failure = ""
+        for attempt in range(options.retries + 1):
+            if attempt:
+                await asyncio.sleep(options.backoff_s * 2 ** (attempt - 1))
+            try:
+                async with asyncio.timeout(deadline):
+                    response = await self._http().request(method, url, json=body, timeout=budget)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+                failure = f"cannot connect to the SGLang server at {url}: {_describe(error)}"
+                continue
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as error:
+                failure = f"the SGLang server at {url} dropped the connection: {_describe(error)}"
+                if repeatable:
+                    continue
+                raise SGLangUnavailable(failure) from error
+            except (TimeoutError, httpx.TimeoutException) as error:
+                raise SGLangUnavailable(
+                    f"the SGLang server at {url} gave no answer within {deadline:g} s"
+                ) from error
+            if response.status_code in _RETRY_STATUS and repeatable:
+                text = _error_text(response)
+                failure = f"the SGLang server at {url} answered HTTP {response.status_code}: {text}"
+                continue
+            return response
+        raise SGLangUnavailable(f"{failure} (gave up after {options.retries + 1} attempts)")
+
+    def _refused(self, path: str, response: httpx.Response) -> SGLangError:
+        text, status, where = _error_text(response), response.status_code, self._base + path
+        if status >= 500:
+            return SGLangUnavailable(f"the SGLang server at {where} failed: HTTP {status}: {text}")
+        return SGLangRequestError(
+            f"the SGLang server at {where} refused the request (HTTP {status}): {text}", status
+        )
+
+    # -- generation ----------------------------------------------------------------------------------
+
+    def _sampling_params(self, sampling: SamplingParams) -> dict[str, Any]:
+        """SGLang's `sampling_params` for `sampling`; what SGLang would refuse fails here, first."""
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        truncated = sampling.top_p < 1 or sampling.top_k > 0
+        if sampling.temperature > 0 and truncated and not self.options.allow_untruncated_logprobs:
+            raise ValueError(
+                "SGLang returns log-probs before top-k/top-p truncation, not those of the distribution "
+                f"sampled from (top_p={sampling.top_p}, top_k={sampling.top_k}); use top_p=1 and top_k=0, "
+                "or set SGLangOptions.allow_untruncated_logprobs=True to accept them"
+            )
+        if len(sampling.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"SGLang takes at most {MAX_STOP_STRINGS} stop strings, got {len(sampling.stop_strings)}"
+            )
+        if sampling.seed is not None and not -(2**63) <= sampling.seed < 2**63:
+            raise ValueError(f"seed must fit in a signed 64-bit int, got {sampling.seed}")
+        params: dict[str, Any] = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+            # The raw tokens are what is trained on; keep special tokens and stop strings in the text too.
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if sampling.ignore_eos:
+            params["ignore_eos"] = True
+        if sampling.stop_token_ids:
+            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.stop_strings:
+            params["stop"] = list(sampling.stop_strings)
+        if sampling.seed is not None:
+            params["sampling_seed"] = sampling.seed
+        return params
+
+    async def _generation(
+        self, answer: Any, prompt_len: int, sent_version: int, want_routes: bool
+    ) -> Generation:
+        where = self._base + "/generate"
+        if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
+            raise SGLangProtocolError(f"{where} answered without a meta_info object")
+        meta: dict[str, Any] = answer["meta_info"]
+        finish = _finish_reason(meta.get("finish_reason"), where)
+        tokens = _int_list(answer.get("output_ids"), "output_ids", where)
+        entries = meta.get("output_token_logprobs")
+        if not isinstance(entries, list) or len(entries) != len(tokens):
+            raise SGLangProtocolError(
+                f"{where}: meta_info.output_token_logprobs must hold one entry per output token "
+                f"({len(tokens)}), got {_brief(entries)}"
+            )
+        logprobs = []
+        for position, (entry, token) in enumerate(zip(entries, tokens, strict=True)):
+            if not isinstance(entry, list) or len(entry) < 2 or entry[1] != token:
+                raise SGLangProtocolError(
+                    f"{where}: output_token_logprobs[{position}] should be [logprob, {token}, text], "
+                    f"got {entry!r}"
+                )
+            value = entry[0]
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise SGLangProtocolError(f"{where}: output_token_logprobs[{position}] has logprob {value!r}")
+            logprobs.append(float(value))
+        for key, expected in (("completion_tokens", len(tokens)), ("prompt_tokens", prompt_len)):
+            if key in meta and meta[key] != expected:
+                raise SGLangProtocolError(f"{where}: meta_info.{key} is {meta[key]!r}, expected {expected}")
+        versions = _token_versions(meta, len(tokens), sent_version, where)
+        routes = None
+        if want_routes:
+            routes = await self._routes(meta.get("routed_experts"), prompt_len + len(tokens) - 1, finish)
+        return Generation(tuple(tokens), tuple(logprobs), versions, finish, routes)
+
+    async def _routes(self, encoded: Any, rows: int, finish: FinishReason) -> np.ndarray | None:
+        where = self._base + "/generate"
+        if encoded is None:
+            if finish is FinishReason.ABORT:
+                return None  # aborted before it ran: SGLang captures routes of requests that ran
+            raise SGLangProtocolError(
+                f"{where} returned no routed_experts although they were asked for: the server needs "
+                "--enable-return-routed-experts and a MoE model"
+            )
+        if not isinstance(encoded, str):
+            raise SGLangProtocolError(f"{where}: routed_experts must be a base64 string")
+        try:
+            raw = base64.b64decode(encoded, validate=True)
+        except binascii.Error as error:
+            raise SGLangProtocolError(f"{where}: routed_experts is not valid base64: {error}") from None
+        layout = await self._routes_layout()
+        expected = rows * layout.num_layers * layout.top_k * 4
+        if len(raw) != expected:
+            raise SGLangProtocolError(
+                f"{where}: routed_experts has {len(raw)} bytes; (prompt + completion - 1 = {rows}) x "
+                f"{layout.num_layers} layers x top_k {layout.top_k} x 4 bytes = {expected}"
+            )
+        shape = (rows, layout.num_layers, layout.top_k)
+        routes = np.frombuffer(raw, dtype="<i4").astype(np.int32).reshape(shape)
+        if routes.size and (
+            routes.min() < 0 or (layout.num_experts is not None and routes.max() >= layout.num_experts)
+        ):
+            raise SGLangProtocolError(
+                f"{where}: routed expert indices span [{routes.min()}, {routes.max()}], outside "
+                f"[0, {layout.num_experts})"
+            )
+        return routes
+
+    async def _routes_layout(self) -> _Layout:
+        if self._layout is not None:
+            return self._layout
+        options = self.options
+        layers, top_k, experts = options.num_layers, options.top_k, options.num_experts
+        if layers is None or top_k is None or experts is None:
+            model_path = (await self.model_info()).get("model_path")
+            config = _read_config(model_path)
+            if (layers is None or top_k is None) and config is None:
+                raise SGLangProtocolError(
+                    "cannot tell the routed experts' layers and top_k: set SGLangOptions.num_layers and "
+                    f"top_k (the server's model_path {model_path!r} has no config.json readable here)"
+                )
+            if config is not None:
+                layers = layers or _config_int(config, "num_hidden_layers")
+                top_k = top_k or _config_int(config, "num_experts_per_tok")
+                experts = experts or _config_int(config, *_EXPERT_COUNT_KEYS)
+            if layers is None or top_k is None:
+                raise SGLangProtocolError(
+                    f"the config.json at {model_path!r} has no num_hidden_layers / num_experts_per_tok: "
+                    "set SGLangOptions.num_layers and top_k"
+                )
+        self._layout = _Layout(layers, top_k, experts)
+        return self._layout
+
+    # -- weights -------------------------------------------------------------------------------------
+
+    async def _pause(self) -> bool:
+        """Pause with mode "abort"; False on a server without `/pause_generation` (nothing paused)."""
+        response = await self._request(
+            "POST", "/pause_generation", {"mode": "abort"}, self.options.control_timeout_s, repeatable=True
+        )
+        if response.status_code == 404:
+            return False
+        if response.status_code != 200:
+            raise self._refused("/pause_generation", response)
+        return True
+
+    async def _continue(self) -> None:
+        response = await self._request(
+            "POST", "/continue_generation", {}, self.options.control_timeout_s, repeatable=True
+        )
+        if response.status_code != 200:
+            raise self._refused("/continue_generation", response)
+
+    async def _load(self, path: str, version: int, *, abort_all: bool) -> None:
+        body = {"model_path": path, "weight_version": str(version), "abort_all_requests": abort_all}
+        response = await self._request(
+            "POST", "/update_weights_from_disk", body, self.options.update_timeout_s, repeatable=False
+        )
+        if response.status_code >= 500:
+            raise self._refused("/update_weights_from_disk", response)
+        answer = _json(response, self._base + "/update_weights_from_disk")
+        if not isinstance(answer, dict) or not isinstance(answer.get("success"), bool):
+            raise SGLangProtocolError(
+                f"{self._base}/update_weights_from_disk answered {_brief(answer)}, not {{success, message}}"
+            )
+        if response.status_code != 200 or not answer["success"]:
+            raise SGLangRequestError(
+                f"the SGLang server at {self._base} did not load the weights from {path}: "
+                f"{answer.get('message', '(no message)')}",
+                response.status_code,
+            )
+
+    def _write_checkpoint(self, state_dict: Mapping[str, torch.Tensor], version: int) -> str:
+        """`state_dict` as a safetensors checkpoint in `weights_dir/version-N`; the path."""
+        if self.options.weights_dir is None:
+            raise ValueError(
+                "SGLangOptions.weights_dir must be set to publish a state_dict "
+                "(SGLang loads weights from disk)"
+            )
+        if not state_dict:
+            raise ValueError("the state_dict is empty")
+        root = Path(self.options.weights_dir).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"version-{version}"
+        scratch = Path(tempfile.mkdtemp(prefix=f".version-{version}-", dir=root))
+        try:
+            if self.options.base_model_dir is not None:
+                _copy_config_files(Path(self.options.base_model_dir), scratch)
+            save_sharded(state_dict, scratch, self.options.max_shard_bytes)
+            if final.exists():
+                shutil.rmtree(final)  # left by an update the server did not take
+            scratch.rename(final)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        return str(final)
+
+    def _prune(self, current: int) -> None:
+        """Delete older version directories beyond `keep_checkpoints` (never the loaded one)."""
+        if self.options.weights_dir is None:
+            return
+        root = Path(self.options.weights_dir).resolve()
+        versions = sorted(
+            (int(match[1]), path)
+            for path in root.iterdir()
+            if (match := _CHECKPOINT.fullmatch(path.name)) and path.is_dir() and int(match[1]) <= current
+        )
+        for _, path in versions[: -self.options.keep_checkpoints]:
+            shutil.rmtree(path)
+
+
+# -- helpers -------------------------------------------------------------------------------------------
+
+
+def save_sharded(state_dict: Mapping[str, torch.Tensor], directory: Path, max_shard_bytes: int) -> None:
+    """Write `state_dict` as `model.safetensors`, or as shards of at most `max_shard_bytes` (a single
+    bigger tensor gets its own shard) with the `model.safetensors.index.json` transformers writes."""
+    from safetensors.torch import save_file
+
+    shards: list[list[str]] = [[]]
+    used = 0
+    total = 0
+    for name, tensor in state_dict.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"state_dict entries must be str -> torch.Tensor, got {name!r}")
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+        total += size
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for file_name, shard in zip(names, shards, strict=True):
+        tensors = {}
+        for name in shard:
+            tensor = state_dict[name].detach().to("cpu")
+            # safetensors refuses tensors that share memory (tied weights, views): give each its own.
+            tensors[name] = tensor.clone(memory_format=torch.contiguous_format)
+        save_file(tensors, str(directory / file_name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {name: file for file, shard in zip(names, shards, strict=True) for name in shard},
+        }
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _copy_config_files(source: Path, target: Path) -> None:
+    if not source.is_dir():
+        raise ValueError(f"SGLangOptions.base_model_dir {str(source)!r} is not a directory")
+    for path in source.iterdir():
+        if (
+            path.is_file()
+            and not path.name.endswith(_WEIGHT_SUFFIXES)
+            and not path.name.endswith(".index.json")
+        ):
+            shutil.copy2(path, target / path.name)
+
+
+def _prompt(input_ids: Sequence[int]) -> list[int]:
+    prompt = list(input_ids)
+    if not prompt:
+        raise ValueError("input_ids is empty")
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, int | np.integer) or token < 0:
+            raise ValueError(f"input_ids must be non-negative ints, got {token!r}")
+    return [int(token) for token in prompt]
+
+
+def _finish_reason(value: Any, where: str) -> FinishReason:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("stop", "length", "abort"):
+        raise SGLangProtocolError(
+            f"{where}: meta_info.finish_reason must be {{'type': 'stop' | 'length' | 'abort', ...}}, "
+            f"got {value!r}"
+        )
+    return FinishReason(str(kind))
+
+
+def _int_list(value: Any, what: str, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise SGLangProtocolError(f"{where}: {what} must be a list of token ids, got {_brief(value)}")
+    return value
+
+
+def _version_number(name: Any) -> int | None:
+    """A weight_version as an int, or None when it is not one (SGLang's default is "default")."""
+    if isinstance(name, str) and re.fullmatch(r"-?\d+", name.strip()):
+        return int(name)
+    return None
+
+
+def _token_versions(meta: dict[str, Any], count: int, sent_version: int, where: str) -> tuple[int, ...]:
+    spans = meta.get("weight_versions")
+    if isinstance(spans, list) and spans:
+        versions: list[int] = []
+        for span in spans:
+            number = _version_number(span.get("version")) if isinstance(span, dict) else None
+            if number is None:
+                break
+            start, end = span.get("start"), span.get("end")
+            if start != len(versions) or not isinstance(end, int) or end < start:
+                raise SGLangProtocolError(f"{where}: meta_info.weight_versions are not contiguous: {spans!r}")
+            versions.extend([number] * (end - start))
+        else:
+            if len(versions) != count:
+                raise SGLangProtocolError(
+                    f"{where}: meta_info.weight_versions cover {len(versions)} of {count} output tokens"
+                )
+            return tuple(versions)
+    number = _version_number(meta.get("weight_version"))
+    return (sent_version if number is None else number,) * count
+
+
+def _read_config(model_path: Any) -> dict[str, Any] | None:
+    if not isinstance(model_path, str) or not model_path:
+        return None
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    if not isinstance(config, dict):
+        return None
+    text_config = config.get("text_config")
+    # Multimodal checkpoints keep the language model's sizes in text_config (SGLang's hf_text_config).
+    return {**config, **text_config} if isinstance(text_config, dict) else config
+
+
+def _config_int(config: dict[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
+
+
+def _json(response: httpx.Response, url: str) -> Any:
+    try:
+        return response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise SGLangProtocolError(
+            f"{url} answered HTTP {response.status_code} with a body that is not JSON: {error}"
+        ) from None
+
+
+def _error_text(response: httpx.Response) -> str:
+    """The message of any of SGLang's error bodies, else the body's start."""
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return response.text[:500]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        for candidate in (error, body.get("message"), body.get("detail")):
+            if isinstance(candidate, str):
+                return candidate
+    return json.dumps(body)[:500]
+
+
+def _brief(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, dict | list | str | int | float | None) else repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def launch_command(
+    model: str,
+    port: int,
+    python: str,
+    extra: Sequence[str] = (),
+    *,
+    moe: bool = True,
+    host: str = "127.0.0.1",
+    weight_version: int | None = 0,
+) -> list[str]:
+    """The argv that starts an SGLang server for pacerl with `python` (an environment where sglang
+    is installed): routed experts returned for a MoE model (R3), an integer `--weight-version` so
+    every token's version is the server's own, then `extra` unchanged (later flags win)."""
+    if not model:
+        raise ValueError("model is empty")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"port must be in 1..65535, got {port!r}")
+    if not python:
+        raise ValueError("python is empty")
+    argv = [python, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port), "--host", host]
+    if moe:
+        argv.append("--enable-return-routed-experts")
+    if weight_version is not None:
+        argv += ["--weight-version", str(weight_version)]
+    return argv + list(extra)

@@ -1,0 +1,750 @@
+"""A stand-in for an SGLang 0.5.23 server: SGLang's native HTTP protocol over the embedded engine.
+
+It lets `SGLangEngine` (and any SGLang client) run where SGLang cannot (a CPU, CI). Request and
+response shapes, defaults, error bodies and the pause/update semantics follow sglang 0.5.23 (the PyPI
+wheel `sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl`, tag v0.5.23 of
+github.com/sgl-project/sglang), these files of it:
+
+- `python/sglang/srt/entrypoints/http_server.py`: the routes below, their answers, and the error
+  bodies: a body that does not parse is HTTP 400 `{"object": "error", "message", "type": "Bad Request",
+  "param": null, "code": 400}` (SGLang turns FastAPI's 422 into 400); a `/generate` the processing
+  refuses is 400 `{"error": {"message"}}`; `/update_weights_from_disk` answers 400 with
+  `success: false`.
+- `python/sglang/srt/entrypoints/api_contract.py` and `python/sglang/api/v1/api_types.py`: the JSON
+  contract gate of `/generate`, 400 `{"error": "<serde-style text>"}`: unknown `sampling_params` keys
+  and wrongly typed values are refused ("unknown field `x`, expected one of ...", "invalid type:
+  string \"a\", expected f64").
+- `python/sglang/srt/managers/io_struct.py`: `GenerateReqInput`, `UpdateWeightFromDiskReqInput`,
+  `AbortReq`, `PauseGenerationReqInput`, `ContinueGenerationReqInput` (field names and defaults).
+- `python/sglang/srt/managers/tokenizer_manager.py`: the answer `{"text", "output_ids", "meta_info"}`
+  and its meta_info keys; requests wait while paused, then hold a reader lock that a weight update
+  (when not paused) takes as writer, so an update waits for running requests and new ones wait for
+  it; `pause_generation(mode="abort")` aborts all and returns once none is left; a rid already
+  running is refused ("Duplicate request ID detected"); too long a prompt is refused with "The input
+  (N tokens) is longer than the model's context length (M tokens)."; `served_model_name` and
+  `model_path` move to the loaded path on an update.
+- `python/sglang/srt/managers/scheduler.py`: `abort_request` matches rids by prefix;
+  `routed_experts_start_len` outside `[0, prompt_tokens]` is refused.
+- `python/sglang/srt/managers/schedule_batch.py`: the finish-reason objects.
+- `python/sglang/srt/sampling/sampling_params.py`: defaults, temperature < 1e-6 is greedy, top_k -1
+  (or 1 << 30) is off, and `verify()`'s messages.
+- `python/sglang/srt/utils/weight_versions.py`: `weight_versions` spans.
+- `python/sglang/srt/state_capturer/routed_experts.py`: routed experts `(prompt + completion − 1,
+  layers, top_k)` int32, base64, only with the server flag (`enable_return_routed_experts` here).
+
+Deviations, each refused with HTTP 400 and a message rather than faked: one prompt per request (no
+batches), `input_ids` only (no `text`; pacerl never sends it), no streaming, no prompt log-probs
+(`logprob_start_len` must be -1 or the prompt length), no top log-probs, no hidden states, grammars,
+LoRA, penalties, `min_p`, `min_new_tokens`, `n > 1`, `max_new_tokens` 0; pause mode
+"abort" only (SGLang's "retract" and "in_place" need an engine that can stop mid-step); token ids
+outside the vocabulary are refused (SGLang would fail inside its kernels). The log-probs are the
+embedded engine's: those of the distribution sampled from, which under top-k/top-p truncation are
+renormalized, whereas SGLang's are taken before truncation. `/health_generate` answers at once
+instead of polling each second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import fastapi
+import numpy as np
+import pydantic
+import torch
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from agents.engine.embedded import EmbeddedEngine
+from agents.engine.protocol import FinishReason, Generation, SamplingParams
+
+TOP_K_ALL = 1 << 30
+"""SGLang's "whole vocabulary" top_k (what -1 becomes)."""
+_SAMPLING_EPS = 1e-6
+_SAMPLING_FIELDS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
+    "watermark", "choice",
+)  # fmt: skip
+"""SGLang's `_FIELDS_SamplingParams`, in its order (the contract gate lists them in its error)."""
+_INT_FIELDS = (
+    "max_new_tokens", "top_k", "min_new_tokens", "n", "stream_interval", "sampling_seed", "beam_width",
+)  # fmt: skip
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+)  # fmt: skip
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+_STR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+_UNSUPPORTED_AT_DEFAULT: dict[str, Any] = {
+    "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0, "n": 1, "stop_regex": None, "json_schema": None, "regex": None,
+    "ebnf": None, "structural_tag": None, "logit_bias": None, "custom_params": None, "beam_width": None,
+    "watermark": None, "choice": None,
+}  # fmt: skip
+"""Sampling fields the stand-in accepts only at their SGLang default."""
+
+
+class _RefusedError(ValueError):
+    """A request SGLang (or this stand-in) refuses: HTTP 400 `{"error": {"message"}}`."""
+
+
+class _ContractError(ValueError):
+    """A `/generate` body the JSON contract gate refuses: HTTP 400 `{"error": "..."}`."""
+
+
+class GenerateBody(pydantic.BaseModel):
+    """The fields of `GenerateReqInput` the stand-in reads; any other key is ignored, as SGLang does
+    for fields that keep their defaults. Types are checked by the contract gate."""
+
+    model_config = pydantic.ConfigDict(extra="ignore")
+
+    rid: Any = None
+    text: Any = None
+    input_ids: Any = None
+    input_embeds: Any = None
+    sampling_params: Any = None
+    return_logprob: Any = None
+    logprob_start_len: Any = None
+    top_logprobs_num: Any = None
+    token_ids_logprob: Any = None
+    return_text_in_logprobs: Any = None
+    stream: Any = False
+    return_hidden_states: Any = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: Any = 0
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    return_sampling_mask: Any = None
+
+
+class UpdateWeightFromDiskBody(pydantic.BaseModel):
+    """SGLang's `UpdateWeightFromDiskReqInput`."""
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+    manifest: dict[str, Any] | None = None
+    rid: str | None = None
+
+
+class AbortBody(pydantic.BaseModel):
+    """SGLang's `AbortReq` (the fields a client sends)."""
+
+    rid: str | None = None
+    abort_all: bool = False
+    finished_reason: dict[str, Any] | None = None
+    abort_message: str | None = None
+
+
+class PauseBody(pydantic.BaseModel):
+    """SGLang's `PauseGenerationReqInput`."""
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+    rid: str | None = None
+
+
+class ContinueBody(pydantic.BaseModel):
+    """SGLang's `ContinueGenerationReqInput`."""
+
+    torch_empty_cache: bool = True
+    rid: str | None = None
+
+
+@dataclass(frozen=True)
+class _Job:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    return_logprob: bool
+    text_in_logprobs: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    want_routes: bool
+    routes_start: int
+
+
+class _Server:
+    """The stand-in's state: the pause flag and the reader/writer discipline of SGLang's
+    TokenizerManager, the rids running, and the weight version names."""
+
+    def __init__(
+        self, engine: EmbeddedEngine, model_path: str, weight_version: str, routed_experts: bool
+    ) -> None:
+        self.engine = engine
+        self.model_path = model_path
+        self.load_format = "auto"
+        self.weight_version = weight_version
+        self.names: dict[int, str] = {engine.version: weight_version}
+        """The weight_version string of each of the engine's integer versions."""
+        self.routed_experts = routed_experts
+        self.paused = False
+        self.readers = 0
+        self.writer = False
+        self.running: set[str] = set()
+        self.cond = asyncio.Condition()
+        self.vocab_size = int(engine.model.config.vocab_size)
+        eos = engine.model.config.eos_token_id
+        self.eos = {eos} if isinstance(eos, int) else set(eos or [])
+
+    async def run(self, job: _Job) -> Generation:
+        """Generate as SGLang schedules a request: after any pause, under the reader lock."""
+        async with self.cond:
+            await self.cond.wait_for(lambda: not self.paused and not self.writer)
+            if job.rid in self.running:
+                raise _RefusedError(f"Duplicate request ID detected: {job.rid}")
+            self.readers += 1
+            self.running.add(job.rid)
+        try:
+            # No await between registering the rid and the engine queueing it: an abort always finds it.
+            return await self.engine.generate(
+                job.prompt, job.sampling, request_id=job.rid, return_routed_experts=job.want_routes
+            )
+        finally:
+            async with self.cond:
+                self.running.discard(job.rid)
+                self.readers -= 1
+                self.cond.notify_all()
+
+    async def abort(self, rid: str, abort_all: bool) -> None:
+        for running in list(self.running):
+            if abort_all or running.startswith(rid):
+                await self.engine.abort(running)
+
+    async def pause(self) -> None:
+        async with self.cond:
+            self.paused = True
+            # SGLang repeats abort-all until no request holds the reader lock.
+            while self.readers:
+                await self.abort("", abort_all=True)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.cond.wait_for(lambda: not self.readers), 0.05)
+
+    async def resume(self) -> None:
+        async with self.cond:
+            self.paused = False
+            self.cond.notify_all()
+
+    async def update_from_disk(self, body: UpdateWeightFromDiskBody) -> tuple[bool, str]:
+        if body.abort_all_requests:
+            await self.abort("", abort_all=True)
+        async with self.cond:
+            exclusive = not self.paused
+            if exclusive:
+                await self.cond.wait_for(lambda: not self.writer and not self.readers)
+                self.writer = True
+        try:
+            return await self._load(body)
+        finally:
+            if exclusive:
+                async with self.cond:
+                    self.writer = False
+                    self.cond.notify_all()
+
+    async def _load(self, body: UpdateWeightFromDiskBody) -> tuple[bool, str]:
+        load_format = body.load_format or self.load_format
+        if load_format not in ("auto", "safetensors"):
+            return False, f"Failed to get model loader: the stand-in loads safetensors, not {load_format!r}."
+        try:
+            tensors = await asyncio.to_thread(read_safetensors, Path(body.model_path))
+        except (OSError, ValueError) as error:
+            return False, f"Failed to get weights iterator: {error}."
+        own = self.engine.model.state_dict()
+        problems = [f"unknown parameter {name!r}" for name in tensors if name not in own] + [
+            f"{name}: shape {tuple(t.shape)} does not match {tuple(own[name].shape)}"
+            for name, t in tensors.items()
+            if name in own and own[name].shape != t.shape
+        ]
+        if problems:
+            # Checked before any copy, so a refused checkpoint leaves the old weights whole (as
+            # SGLang's rollback does).
+            listed = "; ".join(problems[:5])
+            return False, f"Failed to update weights: {listed}.\nRolling back to original weights."
+        number = _version_number(body.weight_version)
+        current = self.engine.version
+        new = number if number is not None and number > current else current + 1
+        await self.engine.update_weights(tensors, new)
+        if body.weight_version is not None:
+            self.weight_version = body.weight_version
+        self.names[new] = self.weight_version
+        self.model_path = body.model_path
+        self.load_format = load_format
+        message = "Succeeded to update model weights."
+        if body.weight_version is not None:
+            message += f" Weight version updated to {body.weight_version}."
+        return True, message
+
+    def answer(self, job: _Job, generation: Generation, latency: float) -> dict[str, Any]:
+        """SGLang's `/generate` answer for a finished (or aborted) request."""
+        tokens = list(generation.tokens)
+        tokenizer = self.engine.tokenizer
+        finish = self._finish_json(job, generation)
+        meta: dict[str, Any] = {
+            "id": job.rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(job.prompt),
+            "weight_version": self.names.get(generation.versions[-1], self.weight_version)
+            if tokens
+            else self.weight_version,
+            "num_retractions": 0,
+        }
+        distinct = list(dict.fromkeys(generation.versions))
+        if len(distinct) > 1:
+            spans: list[dict[str, Any]] = []
+            for position, version in enumerate(generation.versions):
+                if spans and spans[-1]["version"] == self.names[version]:
+                    spans[-1]["end"] = position + 1
+                else:
+                    spans.append({"version": self.names[version], "start": position, "end": position + 1})
+            meta["weight_versions"] = spans
+        if job.return_logprob:
+            texts: list[str | None] = [None] * len(tokens)
+            if job.text_in_logprobs and tokenizer is not None:
+                texts = [tokenizer.decode([t]) for t in tokens]
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [
+                [lp if math.isfinite(lp) else None, t, text]
+                for lp, t, text in zip(generation.logprobs, tokens, texts, strict=True)
+            ]
+            meta["output_token_logprobs_length"] = len(tokens)
+        meta.update({"reasoning_tokens": 0, "completion_tokens": len(tokens), "cached_tokens": 0})
+        routes = generation.routed_experts
+        if job.want_routes and self.routed_experts and routes is not None:
+            # The embedded engine also keeps the routing of a forward whose token an abort discarded.
+            rows = np.ascontiguousarray(routes[job.routes_start : len(job.prompt) + len(tokens) - 1])
+            meta["routed_experts"] = base64.b64encode(rows.astype("<i4").tobytes()).decode("ascii")
+        meta["e2e_latency"] = latency
+        answer: dict[str, Any] = {}
+        if tokenizer is not None:  # without a tokenizer SGLang runs skip_tokenizer_init: no text
+            answer["text"] = self._text(job, tokens, finish)
+        answer["output_ids"] = tokens
+        answer["meta_info"] = meta
+        return answer
+
+    def _finish_json(self, job: _Job, generation: Generation) -> dict[str, Any]:
+        if generation.finish_reason is FinishReason.ABORT:
+            return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        count = len(generation.tokens)
+        if generation.finish_reason is FinishReason.LENGTH:
+            return {"type": "length", "length": job.max_new_tokens if count == job.max_new_tokens else count}
+        last = generation.tokens[-1]
+        if (last in self.eos and not job.sampling.ignore_eos) or last in job.sampling.stop_token_ids:
+            return {"type": "stop", "matched": last}
+        # The same tail the embedded engine decoded when it stopped on a stop string.
+        longest = max((len(s) for s in job.sampling.stop_strings), default=0)
+        tail = self._decode(list(generation.tokens[-(longest + 8) :]), skip_special_tokens=False)
+        matched = next((s for s in job.sampling.stop_strings if tail.endswith(s)), None)
+        if matched is None:
+            raise RuntimeError(f"the engine stopped {job.rid} on no stop token or string it was given")
+        return {"type": "stop", "matched": matched}
+
+    def _text(self, job: _Job, tokens: list[int], finish: dict[str, Any]) -> str:
+        matched = finish.get("matched")
+        if isinstance(matched, int) and not job.no_stop_trim:
+            tokens = tokens[:-1]
+        text = self._decode(tokens, skip_special_tokens=job.skip_special_tokens)
+        if isinstance(matched, str) and not job.no_stop_trim and text.endswith(matched):
+            text = text[: -len(matched)]
+        return text
+
+    def _decode(self, tokens: list[int], skip_special_tokens: bool) -> str:
+        assert self.engine.tokenizer is not None
+        return str(self.engine.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens))
+
+    def model_info(self) -> dict[str, Any]:
+        config = self.engine.model.config
+        return {
+            "model_path": self.model_path,
+            "served_model_name": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "load_format": self.load_format,
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        }
+
+
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors checkpoint in `directory` (its index file decides the shards)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not directory.is_dir():
+        raise ValueError(f"{str(directory)!r} is not a directory")
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {str(directory)!r}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(str(file)))
+        except SafetensorError as error:
+            raise ValueError(f"{file.name}: {error}") from None
+    return tensors
+
+
+def _version_number(name: str | None) -> int | None:
+    if name is not None and name.strip().lstrip("-").isdecimal():
+        return int(name)
+    return None
+
+
+# -- parsing /generate ------------------------------------------------------------------------------
+
+
+def _unexpected(value: Any) -> str:
+    """serde's rendering of an unexpected value, as SGLang's contract gate writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean `{'true' if value else 'false'}`"
+    if isinstance(value, int):
+        return f"integer `{value}`"
+    if isinstance(value, float):
+        return f"floating point `{value}`"
+    if isinstance(value, str):
+        return f'string "{value}"'
+    if isinstance(value, list):
+        return "sequence"
+    return "map" if isinstance(value, dict) else type(value).__name__
+
+
+def _expect(value: Any, ok: bool, expected: str) -> None:
+    if not ok:
+        raise _ContractError(f"invalid type: {_unexpected(value)}, expected {expected}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_strings(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+
+def _check_contract(raw: dict[str, Any]) -> None:
+    """The part of SGLang's `GenerateRequest` contract the stand-in's fields touch."""
+    for key in ("stream", "return_text_in_logprobs"):
+        if raw.get(key) is not None:
+            _expect(raw[key], isinstance(raw[key], bool), "a boolean")
+    for key in ("rid", "text"):
+        value = raw.get(key)
+        if value is not None:
+            _expect(value, _is_strings(value), "a string or a list of strings")
+    ids = raw.get("input_ids")
+    if ids is not None:
+        flat = isinstance(ids, list) and all(_is_int(v) for v in ids)
+        nested = isinstance(ids, list) and all(isinstance(r, list) and all(map(_is_int, r)) for r in ids)
+        _expect(ids, flat or nested, "token ids or a list of token ids")
+    for key in ("logprob_start_len", "top_logprobs_num"):
+        if raw.get(key) is not None:
+            _expect(raw[key], _is_int(raw[key]), "i64")
+    if "routed_experts_start_len" in raw:
+        _expect(raw["routed_experts_start_len"], _is_int(raw["routed_experts_start_len"]), "i64")
+    if raw.get("return_logprob") is not None:
+        _expect(raw["return_logprob"], isinstance(raw["return_logprob"], bool | list), "a boolean")
+    params = raw.get("sampling_params")
+    if params is None or isinstance(params, list):
+        return
+    _expect(params, isinstance(params, dict), "struct SamplingParams")
+    for key, value in params.items():
+        if key not in _SAMPLING_FIELDS:
+            listed = ", ".join(f"`{f}`" for f in _SAMPLING_FIELDS)
+            raise _ContractError(f"unknown field `{key}`, expected one of {listed}")
+        if value is None:
+            continue
+        if key in _INT_FIELDS:
+            _expect(value, _is_int(value), "i64")
+        elif key in _FLOAT_FIELDS:
+            _expect(value, _is_int(value) or isinstance(value, float), "f64")
+        elif key in _BOOL_FIELDS:
+            _expect(value, isinstance(value, bool), "a boolean")
+        elif key in _STR_FIELDS:
+            _expect(value, isinstance(value, str), "a string")
+        elif key == "stop":
+            _expect(value, _is_strings(value), "a string or a list of strings")
+        elif key == "stop_token_ids":
+            _expect(value, isinstance(value, list) and all(_is_int(v) for v in value), "a sequence of i64")
+
+
+def _sampling(params: dict[str, Any], vocab_size: int) -> tuple[SamplingParams, dict[str, Any]]:
+    """SGLang's SamplingParams defaults and `verify()`, mapped onto the embedded engine's."""
+    for key, default in _UNSUPPORTED_AT_DEFAULT.items():
+        if params.get(key) not in (None, default):
+            raise _RefusedError(f"sampling parameter {key}={params[key]!r} is not supported by the stand-in")
+
+    def get(key: str, default: Any) -> Any:
+        value = params.get(key)
+        return default if value is None else value
+
+    max_new_tokens = get("max_new_tokens", 128)
+    temperature = float(get("temperature", 1.0))
+    top_p = float(get("top_p", 1.0))
+    top_k = get("top_k", TOP_K_ALL)
+    if not math.isfinite(temperature) or temperature < 0.0:
+        raise _RefusedError(f"temperature must be a non-negative finite number, got {temperature}.")
+    if 0 <= temperature < _SAMPLING_EPS:
+        temperature, top_k = 0.0, 1  # SGLang: greedy is top_k = 1
+    top_k = TOP_K_ALL if top_k == -1 else top_k
+    if not 0.0 < top_p <= 1.0:
+        raise _RefusedError(f"top_p must be in (0, 1], got {top_p}.")
+    if top_k < 1:
+        raise _RefusedError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+    if max_new_tokens < 0:
+        raise _RefusedError(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
+    if max_new_tokens == 0:
+        raise _RefusedError("max_new_tokens=0 is not supported by the pacerl stand-in")
+    seed = params.get("sampling_seed")
+    if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
+        raise _RefusedError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
+    stop = get("stop", [])
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    if len(stop) > 32:
+        raise _RefusedError(f"at most 32 stop strings are allowed, got {len(stop)}")
+    stop_ids = sorted({int(t) for t in get("stop_token_ids", [])})
+    if any(not 0 <= t < vocab_size for t in stop_ids):
+        raise _RefusedError(f"stop_token_ids must lie in [0, {vocab_size}), got {stop_ids}")
+    sampling = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0 if temperature == 0 or top_k >= vocab_size else top_k,
+        stop_token_ids=tuple(stop_ids),
+        stop_strings=tuple(s for s in stop if s),
+        seed=seed,
+        ignore_eos=bool(get("ignore_eos", False)),
+    )
+    text_options = {
+        "skip_special_tokens": get("skip_special_tokens", True),
+        "no_stop_trim": get("no_stop_trim", False),
+    }
+    return sampling, text_options
+
+
+def _job(body: GenerateBody, server: _Server) -> _Job:
+    """Validate one `/generate` request as SGLang does (after the contract gate)."""
+    unsupported = {
+        "input_embeds": body.input_embeds,
+        "image_data": body.image_data,
+        "video_data": body.video_data,
+        "audio_data": body.audio_data,
+        "lora_path": body.lora_path,
+        "session_params": body.session_params,
+        "custom_logit_processor": body.custom_logit_processor,
+        "token_ids_logprob": body.token_ids_logprob,
+        "return_sampling_mask": body.return_sampling_mask,
+        "return_hidden_states": body.return_hidden_states,
+        "top_logprobs_num": body.top_logprobs_num,
+        "stream": body.stream,
+    }
+    for name, value in unsupported.items():
+        if value:
+            raise _RefusedError(f"{name} is not supported by the pacerl stand-in")
+    if (body.text is None) == (body.input_ids is None):
+        raise _RefusedError("Either text, input_ids or input_embeds should be provided.")
+    if body.text is not None:
+        raise _RefusedError("the pacerl stand-in takes input_ids, not text")
+    if isinstance(body.rid, list) or (body.input_ids and isinstance(body.input_ids[0], list)):
+        raise _RefusedError("the pacerl stand-in serves one prompt per request, not a batch")
+    if isinstance(body.sampling_params, list) or isinstance(body.return_logprob, list):
+        raise _RefusedError("the pacerl stand-in serves one prompt per request, not a batch")
+    prompt: list[int] = body.input_ids
+    if not prompt:
+        raise _RefusedError("input_ids is empty")
+    for token in prompt:
+        if not 0 <= token < server.vocab_size:
+            raise _RefusedError(f"Token ID {token} is out of vocabulary (vocab size: {server.vocab_size})")
+    context = server.engine.max_context
+    if len(prompt) >= context:
+        raise _RefusedError(
+            f"The input ({len(prompt)} tokens) is longer than the model's context length ({context} tokens)."
+        )
+    sampling, text_options = _sampling(body.sampling_params or {}, server.vocab_size)
+    if sampling.stop_strings and server.engine.tokenizer is None:
+        raise _RefusedError("stop strings need a tokenizer; this stand-in's engine has none")
+    start = -1 if body.logprob_start_len is None else body.logprob_start_len
+    if start not in (-1, len(prompt)):
+        raise _RefusedError(
+            "Prompt input logprobs (logprob_start_len) are not supported by the pacerl stand-in; "
+            "omit logprob_start_len to get output logprobs."
+        )
+    routes_start = body.routed_experts_start_len
+    if body.return_routed_experts and routes_start < 0:
+        raise _RefusedError(
+            f"recv_req.routed_experts_start_len={routes_start} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
+    if body.return_routed_experts and routes_start > len(prompt):
+        raise _RefusedError(
+            f"recv_req.routed_experts_start_len={routes_start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={len(prompt)}. Please use a smaller routed_experts_start_len."
+        )
+    return _Job(
+        rid=body.rid if body.rid else uuid.uuid4().hex,
+        prompt=prompt,
+        sampling=sampling,
+        max_new_tokens=sampling.max_new_tokens,
+        return_logprob=bool(body.return_logprob),
+        text_in_logprobs=bool(body.return_text_in_logprobs),
+        skip_special_tokens=bool(text_options["skip_special_tokens"]),
+        no_stop_trim=bool(text_options["no_stop_trim"]),
+        want_routes=body.return_routed_experts,
+        routes_start=routes_start,
+    )
+
+
+def _refusal(error: Exception) -> JSONResponse:
+    return JSONResponse({"error": {"message": str(error)}}, status_code=400)
+
+
+def create_standin_app(
+    engine: EmbeddedEngine,
+    *,
+    model_path: str = "pacerl-standin",
+    weight_version: str = "default",
+    enable_return_routed_experts: bool = True,
+    health_timeout_s: float = 20.0,
+    close_on_shutdown: bool = True,
+) -> fastapi.FastAPI:
+    """The stand-in's ASGI app over `engine`, which it drives from the app's event loop.
+
+    `model_path` is what `/model_info` reports until a weight update moves it (a directory with the
+    model's config.json lets a client read the routed-experts layout from it); `weight_version` is
+    SGLang's `--weight-version`; `enable_return_routed_experts` its `--enable-return-routed-experts`
+    (without it, routed experts are left out of answers however a request asks, as SGLang does).
+    """
+    server = _Server(engine, model_path, weight_version, enable_return_routed_experts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: fastapi.FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if close_on_shutdown:
+                await engine.aclose()
+
+    app = fastapi.FastAPI(
+        title="pacerl SGLang stand-in",
+        summary="SGLang 0.5.23's native HTTP API over pacerl's embedded engine",
+        description=__doc__,
+        lifespan=lifespan,
+    )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: fastapi.Request, error: RequestValidationError) -> JSONResponse:
+        # SGLang's handler: FastAPI's 422 becomes 400 in its ErrorResponse shape.
+        errors = [{k: v for k, v in e.items() if k != "input"} for e in error.errors()]
+        message = f"{error} {errors}" if str(errors) != str(error) else str(error)
+        content = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+        return JSONResponse(content, status_code=400)
+
+    @app.api_route("/generate", methods=["POST", "PUT"], tags=["generate"])
+    async def generate(body: GenerateBody, request: fastapi.Request) -> Response:
+        """One generation (see the module docstring for what the stand-in serves)."""
+        try:
+            _check_contract(await request.json())
+        except _ContractError as error:
+            return JSONResponse({"error": str(error)}, status_code=400)
+        started = time.monotonic()
+        try:
+            job = _job(body, server)
+            generation = await server.run(job)
+        except _RefusedError as error:
+            return _refusal(error)
+        return JSONResponse(server.answer(job, generation, time.monotonic() - started))
+
+    @app.post("/abort_request", tags=["control"])
+    async def abort_request(body: AbortBody) -> Response:
+        """Abort the requests whose rid starts with `rid` (or all); 200 with no body."""
+        rid = body.rid or ""
+        if rid or body.abort_all:  # SGLang ignores an empty rid without abort_all
+            await server.abort(rid, body.abort_all)
+        return Response(status_code=200)
+
+    @app.post("/pause_generation", tags=["control"])
+    async def pause_generation(body: PauseBody) -> JSONResponse:
+        """Mode "abort": abort every request, hold new ones until `/continue_generation`."""
+        if body.mode != "abort":
+            return _refusal(ValueError(f"pause mode {body.mode!r} is not supported by the pacerl stand-in"))
+        await server.pause()
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation", tags=["control"])
+    async def continue_generation(body: ContinueBody) -> JSONResponse:
+        """Let held and new requests run."""
+        await server.resume()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/update_weights_from_disk", tags=["weights"])
+    async def update_weights_from_disk(body: UpdateWeightFromDiskBody) -> JSONResponse:
+        """Load a safetensors checkpoint directory into the engine as its next version."""
+        success, message = await server.update_from_disk(body)
+        content = {"success": success, "message": message, "num_paused_requests": 0}
+        return JSONResponse(content, status_code=200 if success else 400)
+
+    @app.get("/health", tags=["health"])
+    async def health() -> Response:
+        """Liveness without generating (SGLang's default `/health`)."""
+        return Response(status_code=200 if await engine.health() else 503)
+
+    @app.get("/health_generate", tags=["health"])
+    async def health_generate() -> Response:
+        """200 once the engine generates one token (through pause and locks, as SGLang's check)."""
+        if not await engine.health():
+            return Response(status_code=503)
+        probe = _Job(
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt=[0], sampling=SamplingParams(1, temperature=0),
+            max_new_tokens=1, return_logprob=False, text_in_logprobs=False, skip_special_tokens=True,
+            no_stop_trim=False, want_routes=False, routes_start=0,
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(health_timeout_s):
+                await server.run(probe)
+        except (TimeoutError, RuntimeError):
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/model_info", tags=["info"])
+    async def model_info() -> dict[str, Any]:
+        """What SGLang's `/model_info` reports."""
+        return server.model_info()
+
+    @app.get("/get_model_info", tags=["info"])
+    async def get_model_info() -> dict[str, Any]:
+        """The deprecated alias of `/model_info`."""
+        return server.model_info()
+
+    return app
