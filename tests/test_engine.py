@@ -181,3 +181,19 @@ async def test_abort_stop_tokens_and_bad_input() -> None:
 def test_invalid_sampling_parameters_fail_before_work(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**changes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+async def test_routes_are_captured_for_both_moe_families(family: str) -> None:
+    from agents.models import TinyMoEConfig, build_tiny_moe, moe_info
+    from agents.tokenizer import tiny_tokenizer
+
+    model = build_tiny_moe(TinyMoEConfig(family=family), tiny_tokenizer())  # type: ignore[arg-type]
+    engine = EmbeddedEngine(model)
+    info = moe_info(model)
+    assert engine._recorder.gates == list(info.gates)
+    result = await engine.generate([5, 6, 7, 8], GREEDY, return_routed_experts=True)
+    await engine.aclose()
+    assert result.routed_experts is not None
+    assert result.routed_experts.shape == (4 + len(result.tokens) - 1, info.num_layers, info.top_k)
+    assert engine._recorder._handles == []  # hooks removed on close: the model is left as it was

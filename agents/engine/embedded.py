@@ -258,7 +258,7 @@ class EmbeddedEngine:
 
     def _step(self) -> None:
         """One engine step: admit waiting requests (one batched prefill), then decode every row."""
-        admitted = []
+        admitted: list[_Request] = []
         for request in list(self._pending):
             if request.aborted:
                 request.finish = FinishReason.ABORT
@@ -301,7 +301,8 @@ class EmbeddedEngine:
                 if request.want_routes:
                     request.routes.extend(rows[width - len(seq) :])
         self._join(requests, cache, mask)
-        return out.logits[:, -1]
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
 
     def _join(self, requests: list[_Request], cache: DynamicCache, mask: torch.Tensor) -> None:
         """Append prefilled rows to the batch, left-padding whichever side is shorter."""

@@ -1,0 +1,198 @@
+"""A byte-level BPE tokenizer trained offline in about a second, for the tiny MoE (LEARNABILITY.md).
+
+Pre-tokenization is `Split("\\n", isolated)` + `Digits(individual_digits=True)` +
+`ByteLevel(use_regex=False)`:
+
+- every digit is its own token, so a small model copies numbers digit by digit;
+- `\\n` is always a token of its own and the added tokens (`<|im_start|>`, `<|im_end|>`, the tool tags)
+  are cut out before BPE runs, so no merge ever spans a message boundary. Encoding a rendered
+  conversation piece by piece (prompt, generated ids, tool turn) therefore gives the same ids as
+  encoding it whole: the rollout side can append pieces without re-tokenizing (token-in, token-out);
+- byte-level: any unicode text (emoji, NUL) encodes and decodes back exactly; nothing is `<unk>`.
+
+The tokenizer carries `envs.chat_template.CHATML_TOOLS_TEMPLATE`, so env messages and tool schemas
+render with `tokenizer.apply_chat_template(messages, tools=env.tool_schemas())`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from envs import code_math, get_tool, load_tasks
+from envs import math as math_env
+from envs import search as search_env
+from envs.chat_template import CHATML_TOOLS_TEMPLATE
+from envs.spaces import Message
+from envs.tasks import DATA_DIR
+from envs.tools.search import format_documents
+
+PAD = "<|pad|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+CONTROL_TOKENS = (PAD, IM_START, IM_END)
+"""Special tokens: `skip_special_tokens=True` drops them when decoding."""
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+"""Added but not special (as in Qwen2.5/Qwen3): decoding with `skip_special_tokens=True`, the default of
+SGLang and many servers, keeps them, so the env's parser still sees the model's tool calls."""
+ADDED_TOKENS = CONTROL_TOKENS + TOOL_TOKENS
+"""Each one a single id, in this order from id 0."""
+
+_MIN_VOCAB = 256 + len(ADDED_TOKENS)
+_ADDED_RE = re.compile("|".join(re.escape(token) for token in ADDED_TOKENS))
+
+
+def train_tokenizer(texts: Iterable[str], vocab_cap: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on `texts` with at most `vocab_cap` ids (fewer when the corpus runs out of
+    pairs seen twice). Deterministic: the same texts give the same vocabulary and merges."""
+    if vocab_cap < _MIN_VOCAB:
+        raise ValueError(f"vocab_cap must be >= {_MIN_VOCAB} (256 bytes + {len(ADDED_TOKENS)} added tokens)")
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split("\n", behavior="isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_cap,
+        min_frequency=2,
+        special_tokens=list(ADDED_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # The trainer does not cut added tokens out of its input; without this it would spend merges on
+    # `<|im_end|>`-spanning pairs that encoding never produces.
+    backend.train_from_iterator(_without_added_tokens(texts), trainer)
+    backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in TOOL_TOKENS])
+    return _wrap(backend)
+
+
+def _without_added_tokens(texts: Iterable[str]) -> Iterator[str]:
+    for text in texts:
+        yield from (piece for piece in _ADDED_RE.split(text) if piece)
+
+
+def _wrap(backend: Tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves __init__ untyped
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=PAD,
+        extra_special_tokens=[IM_START],
+        chat_template=CHATML_TOOLS_TEMPLATE,
+        # The default cleanup rewrites " ." and " 's", which breaks the exact byte-level round trip.
+        clean_up_tokenization_spaces=False,
+    )
+
+
+@functools.cache
+def _tiny_tokenizer_json() -> str:
+    return train_tokenizer(default_corpus()).backend_tokenizer.to_str()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """The default tokenizer, trained on `default_corpus()` once per process (a fresh wrapper each call,
+    so one caller's changes never leak into another's)."""
+    return _wrap(Tokenizer.from_str(_tiny_tokenizer_json()))
+
+
+# -- the default corpus ---------------------------------------------------------------------------------
+
+
+def default_corpus(seed: int = 0, per_env: int = 600) -> list[str]:
+    """Rendered conversations like the ones pacerl's envs produce: CodeMath (python calls as Hermes
+    `<tool_call>` JSON and fenced blocks, their outputs and errors, `\\boxed{}` answers), Math (direct
+    `\\boxed{}` answers) and Search (search calls, Search-R1 passages, `<answer>` tags)."""
+    rng = random.Random(seed)
+    # An untrained tokenizer renders exactly as the trained one will: the template is all that matters.
+    renderer = _wrap(Tokenizer(models.BPE()))
+    python_schema = get_tool("python").schema()
+    search_schema = get_tool("search").schema()
+    texts = []
+    for task in load_tasks("codemath-train")[:per_env]:
+        texts.append(_render(renderer, _code_math_episode(task.question, task.answer, rng), [python_schema]))
+    for task in load_tasks("math-train")[:per_env]:
+        texts.append(_render(renderer, _math_episode(task.question, task.answer), None))
+    documents = _search_documents()
+    for task in load_tasks("search-train")[:per_env]:
+        episode = _search_episode(task.question, task.answer, documents, rng)
+        texts.append(_render(renderer, episode, [search_schema]))
+    return texts
+
+
+def _render(
+    renderer: PreTrainedTokenizerFast, messages: list[Message], tools: list[dict[str, Any]] | None
+) -> str:
+    text = renderer.apply_chat_template(messages, tools=list(tools) if tools else None, tokenize=False)
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) gave a {type(text).__name__}")
+    return text
+
+
+def _python_call(code: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
+
+
+def _code_math_episode(question: str, answer: str, rng: random.Random) -> list[Message]:
+    expression = question.removeprefix("What is ").removesuffix("?")
+    messages: list[Message] = [
+        {"role": "system", "content": code_math.SYSTEM_PROMPT},
+        {"role": "user", "content": question},
+    ]
+    style = rng.random()
+    if style < 0.15:
+        # A failed first attempt, as the sandbox reports it, then a fixed call.
+        messages += [
+            {"role": "assistant", "content": _python_call(f"print({expression}")},
+            {"role": "tool", "content": "SyntaxError: '(' was never closed"},
+        ]
+    if style < 0.8:
+        messages.append({"role": "assistant", "content": _python_call(f"print({expression})")})
+    else:
+        code = f"x = {expression}\nprint(x)"
+        messages.append({"role": "assistant", "content": f"```python\n{code}\n```"})
+    messages += [
+        {"role": "tool", "content": answer},
+        {"role": "assistant", "content": f"\\boxed{{{answer}}}"},
+    ]
+    return messages
+
+
+def _math_episode(question: str, answer: str) -> list[Message]:
+    return [
+        {"role": "system", "content": math_env.SYSTEM_PROMPT},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": f"The answer is \\boxed{{{answer}}}."},
+    ]
+
+
+def _search_documents() -> list[str]:
+    lines = (DATA_DIR / "search-corpus.jsonl").read_text().splitlines()
+    return [str(json.loads(line)["contents"]) for line in lines if line.strip()]
+
+
+_SUBJECT_RE = re.compile(r"was (\w+) first recorded|described (\w+)\?")
+
+
+def _search_episode(question: str, answer: str, documents: list[str], rng: random.Random) -> list[Message]:
+    match = _SUBJECT_RE.search(question)
+    subject = next(group for group in match.groups() if group) if match else question
+    relevant = [doc for doc in documents if doc.startswith(f'"{subject}"')]
+    hits = relevant + rng.sample(documents, 2)
+    call = {"name": "search", "arguments": {"query": subject}}
+    return [
+        {"role": "system", "content": search_env.SYSTEM_PROMPT},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+        {"role": "tool", "content": format_documents([{"contents": doc} for doc in hits])},
+        {"role": "assistant", "content": f"<answer> {answer} </answer>"},
+    ]
