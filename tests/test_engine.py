@@ -197,3 +197,44 @@ async def test_routes_are_captured_for_both_moe_families(family: str) -> None:
     assert result.routed_experts is not None
     assert result.routed_experts.shape == (4 + len(result.tokens) - 1, info.num_layers, info.top_k)
     assert engine._recorder._handles == []  # hooks removed on close: the model is left as it was
+
+
+async def test_recorded_routes_replay_to_identical_logprobs() -> None:
+    """R3's premise: forcing a training forward onto the engine's recorded experts (gate weights
+    recomputed from the live router logits over them) reproduces the engine's log-probs exactly."""
+    model = tiny_moe()
+    engine = EmbeddedEngine(model)
+    prompt = [21, 22, 23, 24, 25, 26]
+    result = await engine.generate(
+        prompt, SamplingParams(max_new_tokens=10, temperature=0.8, seed=5), return_routed_experts=True
+    )
+    await engine.aclose()
+    assert result.routed_experts is not None
+    recorded = torch.from_numpy(result.routed_experts).long()  # [positions, layers, top_k]
+
+    def replayed_logprobs(routes: torch.Tensor) -> list[float]:
+        def replay(layer: int) -> object:
+            def hook(module: torch.nn.Module, inputs: object, output: tuple[torch.Tensor, ...]) -> object:
+                logits = output[0]
+                chosen = routes[:, layer]
+                weights = torch.softmax(logits.float(), -1).gather(-1, chosen)
+                if module.norm_topk_prob:  # as the router itself does
+                    weights = weights / weights.sum(-1, keepdim=True)
+                return logits, weights.to(logits.dtype), chosen
+
+            return hook
+
+        layers = model.model.layers
+        handles = [layer.mlp.gate.register_forward_hook(replay(i)) for i, layer in enumerate(layers)]
+        try:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(result.tokens[:-1])])).logits[0].float() / 0.8
+        finally:
+            for handle in handles:
+                handle.remove()
+        table = torch.log_softmax(logits, -1)
+        return [float(table[len(prompt) - 1 + i, t]) for i, t in enumerate(result.tokens)]
+
+    assert replayed_logprobs(recorded) == pytest.approx(list(result.logprobs), abs=1e-5)
+    # The replay really decides the routing: other experts give other log-probs.
+    assert replayed_logprobs((recorded + 3) % 8) != pytest.approx(list(result.logprobs), abs=1e-3)
