@@ -238,3 +238,11 @@ async def test_recorded_routes_replay_to_identical_logprobs() -> None:
     assert replayed_logprobs(recorded) == pytest.approx(list(result.logprobs), abs=1e-5)
     # The replay really decides the routing: other experts give other log-probs.
     assert replayed_logprobs((recorded + 3) % 8) != pytest.approx(list(result.logprobs), abs=1e-3)
+
+
+def test_one_engine_serves_successive_event_loops() -> None:
+    engine = EmbeddedEngine(tiny_moe())
+    first = asyncio.run(engine.generate([3, 4], GREEDY))
+    second = asyncio.run(engine.generate([3, 4], GREEDY))  # a new loop: fresh loop-bound state
+    assert first.tokens == second.tokens
+    asyncio.run(engine.aclose())

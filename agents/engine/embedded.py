@@ -151,6 +151,7 @@ class EmbeddedEngine:
         self._step_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._bound_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self.steps = 0
 
@@ -175,6 +176,7 @@ class EmbeddedEngine:
         """Generate from `input_ids`; returns when the request finishes or is aborted."""
         if self._closed:
             raise RuntimeError("the engine is closed")
+        self._bind()
         prompt = [int(t) for t in input_ids]
         if not prompt:
             raise ValueError("input_ids is empty")
@@ -210,6 +212,7 @@ class EmbeddedEngine:
         """Load new weights in place between two steps and make `version` current."""
         if version <= self._version:
             raise ValueError(f"the new version {version} must exceed the current {self._version}")
+        self._bind()
         async with self._step_lock:
             await asyncio.to_thread(self._load, state_dict)
             self._version = version
@@ -226,11 +229,21 @@ class EmbeddedEngine:
         for request in [*self._pending, *self._rows]:
             request.aborted = True
         self._wake.set()
-        if self._loop_task is not None:
+        if self._loop_task is not None and self._bound_loop is asyncio.get_running_loop():
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self._recorder.close()
 
     # -- the loop -------------------------------------------------------------------------------------
+
+    def _bind(self) -> None:
+        """Serve from the running event loop (a later `asyncio.run` gets fresh loop-bound state)."""
+        loop = asyncio.get_running_loop()
+        if self._bound_loop is loop:
+            return
+        if self._pending or self._rows:
+            raise RuntimeError("the engine is serving requests on another event loop")
+        self._bound_loop, self._loop_task = loop, None
+        self._step_lock, self._wake = asyncio.Lock(), asyncio.Event()
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
