@@ -149,7 +149,7 @@ class RolloutDriver:
             if room <= 0:
                 return "context budget exhausted"
             sampling = replace(self.config.sampling, max_new_tokens=max(1, min(budget - len(produced), room)))
-            started = time.time()
+            started, version_before = time.time(), self.engine.version
             try:
                 generation = await self.engine.generate(
                     list(trajectory.tokens),
@@ -168,9 +168,11 @@ class RolloutDriver:
             produced += generation.tokens
             if generation.finish_reason is not FinishReason.ABORT:
                 return produced
-            if not generation.tokens and failures > self.config.engine_retries:
-                return "engine keeps aborting"
-            self.counts["resumed"] += 1  # interrupted (weight update): continue under the new version
+            if self.engine.version == version_before:  # aborted, but not for new weights
+                failures += 1
+                if failures > self.config.engine_retries:
+                    return "engine aborted the request"
+            self.counts["resumed"] += 1  # interrupted: continue (under the new version, if any)
             if len(produced) >= budget:
                 return produced
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -81,6 +84,21 @@ def cmd_serve_retriever(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_sglang(args: argparse.Namespace) -> int:
+    """`pacerl serve sglang`: replace this process with an SGLang server launched with pacerl's flags."""
+    from agents.engine.sglang import launch_command
+
+    argv = launch_command(
+        args.model, args.port, args.python, args.extra,
+        moe=args.moe, host=args.host, weight_version=args.weight_version,
+    )  # fmt: skip
+    executable = shutil.which(args.python)
+    if executable is None:
+        raise ValueError(f"--python {args.python!r} is not an executable (the environment with sglang)")
+    print(f"pacerl: exec {shlex.join(argv)}", file=sys.stderr, flush=True)
+    os.execv(executable, argv)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """`pacerl demo`: the main job on the embedded defaults."""
     from pacerl.demo import run_demo
@@ -133,6 +151,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--topk", type=int, default=3, help="documents per query when a request says none"
     )
     serve_retriever.set_defaults(handler=cmd_serve_retriever)
+
+    serve_sglang = serve.add_parser(
+        "sglang",
+        help="exec an SGLang server with the flags pacerl needs; arguments after -- go to it unchanged",
+    )
+    serve_sglang.add_argument("--model", required=True, help="model path (or hub name) for --model-path")
+    serve_sglang.add_argument("--host", default="127.0.0.1")
+    serve_sglang.add_argument("--port", type=int, default=30000)
+    serve_sglang.add_argument(
+        "--python", default=sys.executable, help="the Python of the environment where sglang is installed"
+    )
+    serve_sglang.add_argument(
+        "--moe",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="return routed experts (R3); --no-moe for a dense model",
+    )
+    serve_sglang.add_argument(
+        "--weight-version", type=int, default=0, help="the version of the weights it starts with"
+    )
+    serve_sglang.add_argument("extra", nargs="*", help="after --: more sglang.launch_server arguments")
+    serve_sglang.set_defaults(handler=cmd_serve_sglang)
     return parser
 
 

@@ -1,7 +1,8 @@
-"""Inference engines behind one protocol: the embedded torch engine and (next) the SGLang client."""
+"""Inference engines behind one protocol: the embedded torch engine and the SGLang HTTP client."""
 
 from agents.engine.embedded import ContextOverflowError, EmbeddedEngine, EmbeddedEngineConfig
 from agents.engine.protocol import Engine, FinishReason, Generation, SamplingParams
+from agents.engine.sglang import SGLangEngine, SGLangOptions, SGLangUnavailable, launch_command
 
 __all__ = [
     "ContextOverflowError",
@@ -10,5 +11,9 @@ __all__ = [
     "Engine",
     "FinishReason",
     "Generation",
+    "SGLangEngine",
+    "SGLangOptions",
+    "SGLangUnavailable",
     "SamplingParams",
+    "launch_command",
 ]

@@ -352,6 +352,9 @@ class EmbeddedEngine:
         for row, request in enumerate(self._rows):
             if request.finish is not None:
                 continue
+            if request.aborted:  # aborted while this step ran: its last input's route is not kept
+                request.finish = FinishReason.ABORT
+                continue
             if request.want_routes and routes is not None:
                 request.routes.append(routes[row])
             self._emit(request, out.logits[row, -1], row)

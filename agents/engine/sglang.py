@@ -147,7 +147,8 @@ class SGLangOptions:
     top_k: int | None = None
     """Experts per token in the routed-experts array (`num_experts_per_tok`); None: as num_layers."""
     num_experts: int | None = None
-    """Experts per MoE layer, to check every routed index; None: from the config when readable."""
+    """Experts per MoE layer, to check every routed index; None: from the config when num_layers or
+    top_k come from it, else unchecked."""
     allow_untruncated_logprobs: bool = False
     """SGLang returns log-probs before top-k/top-p truncation, not those of the distribution sampled
     from; requests with truncation are refused unless this accepts those log-probs."""
@@ -272,12 +273,11 @@ class SGLangEngine:
         async with self._updating:
             if version <= self._version:
                 raise ValueError(f"the new version {version} must exceed the current {self._version}")
-            written = not isinstance(state_dict, str | os.PathLike)
             if isinstance(state_dict, str | os.PathLike):
                 # Absolute: the server resolves paths against its own working directory.
-                path = await asyncio.to_thread(os.path.abspath, os.fspath(state_dict))
+                path, written = await asyncio.to_thread(os.path.abspath, os.fspath(state_dict)), False
             else:
-                path = await asyncio.to_thread(self._write_checkpoint, state_dict, version)
+                path, written = await asyncio.to_thread(self._write_checkpoint, state_dict, version), True
             self._no_update.clear()
             try:
                 paused = await self._pause()
@@ -501,18 +501,17 @@ class SGLangEngine:
             return self._layout
         options = self.options
         layers, top_k, experts = options.num_layers, options.top_k, options.num_experts
-        if layers is None or top_k is None or experts is None:
+        if layers is None or top_k is None:
             model_path = (await self.model_info()).get("model_path")
-            config = _read_config(model_path)
-            if (layers is None or top_k is None) and config is None:
+            config = await asyncio.to_thread(_read_config, model_path)
+            if config is None:
                 raise SGLangProtocolError(
                     "cannot tell the routed experts' layers and top_k: set SGLangOptions.num_layers and "
                     f"top_k (the server's model_path {model_path!r} has no config.json readable here)"
                 )
-            if config is not None:
-                layers = layers or _config_int(config, "num_hidden_layers")
-                top_k = top_k or _config_int(config, "num_experts_per_tok")
-                experts = experts or _config_int(config, *_EXPERT_COUNT_KEYS)
+            layers = layers or _config_int(config, "num_hidden_layers")
+            top_k = top_k or _config_int(config, "num_experts_per_tok")
+            experts = experts or _config_int(config, *_EXPERT_COUNT_KEYS)
             if layers is None or top_k is None:
                 raise SGLangProtocolError(
                     f"the config.json at {model_path!r} has no num_hidden_layers / num_experts_per_tok: "

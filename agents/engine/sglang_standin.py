@@ -22,7 +22,7 @@ github.com/sgl-project/sglang), these files of it:
   it; `pause_generation(mode="abort")` aborts all and returns once none is left; a rid already
   running is refused ("Duplicate request ID detected"); too long a prompt is refused with "The input
   (N tokens) is longer than the model's context length (M tokens)."; `served_model_name` and
-  `model_path` move to the loaded path on an update.
+  `model_path` move to the loaded path on an update; a request whose client disconnected is aborted.
 - `python/sglang/srt/managers/scheduler.py`: `abort_request` matches rids by prefix;
   `routed_experts_start_len` outside `[0, prompt_tokens]` is refused.
 - `python/sglang/srt/managers/schedule_batch.py`: the finish-reason objects.
@@ -70,6 +70,8 @@ from agents.engine.protocol import FinishReason, Generation, SamplingParams
 TOP_K_ALL = 1 << 30
 """SGLang's "whole vocabulary" top_k (what -1 becomes)."""
 _SAMPLING_EPS = 1e-6
+DISCONNECT_POLL_S = 0.5
+"""How often a running request's client is checked (SGLang: every `_REQUEST_STATE_WAIT_TIMEOUT`)."""
 _SAMPLING_FIELDS = (
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
@@ -626,6 +628,17 @@ def _job(body: GenerateBody, server: _Server) -> _Job:
     )
 
 
+async def _abort_when_disconnected(request: fastapi.Request, server: _Server, rid: str) -> None:
+    """SGLang checks a waiting non-streaming request's client every few seconds and aborts the
+    request once it has gone; here every `DISCONNECT_POLL_S`."""
+    # Starlette only answers "disconnected?" when asked; there is no event to wait on.
+    while True:
+        if await request.is_disconnected():
+            await server.abort(rid, abort_all=False)
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
 def _refusal(error: Exception) -> JSONResponse:
     return JSONResponse({"error": {"message": str(error)}}, status_code=400)
 
@@ -681,9 +694,15 @@ def create_standin_app(
         started = time.monotonic()
         try:
             job = _job(body, server)
+        except _RefusedError as error:
+            return _refusal(error)
+        watch = asyncio.ensure_future(_abort_when_disconnected(request, server, job.rid))
+        try:
             generation = await server.run(job)
         except _RefusedError as error:
             return _refusal(error)
+        finally:
+            watch.cancel()
         return JSONResponse(server.answer(job, generation, time.monotonic() - started))
 
     @app.post("/abort_request", tags=["control"])
