@@ -30,6 +30,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sandbox.py
 	$(BIN)/python benchmarks/envs.py
 	$(BIN)/python benchmarks/retriever.py
+	$(BIN)/python benchmarks/engine.py
+	$(BIN)/python benchmarks/rollout.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -93,7 +93,7 @@ async def interrupt_cost(model: Any, policy: str, jobs: list[tuple[list[int], in
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     tokenizer = tiny_tokenizer()
     model = build_tiny_moe(TinyMoEConfig(), tokenizer)
     jobs = workload(args.requests)
@@ -106,6 +106,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     routes_s = await engine_generate(engine, jobs, routes=True)
     await engine.aclose()
     return {
+        "torch_threads": args.threads,
         "model_parameters": parameter_count(model),
         "requests": len(jobs),
         "useful_tokens": useful,
@@ -123,6 +124,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results/engine.json")
     parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1 is fastest for a tiny model)"
+    )
     args = parser.parse_args()
     report = asyncio.run(main_async(args))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
