@@ -68,7 +68,7 @@ for target in [("1.1.1.1", 53), ("8.8.8.8", 443)]:
     except OSError as error:
         print("blocked", type(error).__name__)
 try:
-    socket.getaddrinfo("pypi.org", 443)
+    socket.getaddrinfo("example.com", 443)
     print("RESOLVED")
 except OSError:
     print("no dns")
