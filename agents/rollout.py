@@ -19,14 +19,14 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from agents.engine.embedded import ContextOverflowError
 from agents.engine.protocol import Engine, FinishReason, Generation, SamplingParams
 from agents.routing import RoutedExperts
-from agents.trajectory import Status, Trajectory
+from agents.trajectory import Origin, Status, Trajectory
 from envs import Message, Task, ToolEnv
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,9 @@ class RolloutConfig:
     would otherwise be computed over fewer samples than the rest)."""
     record_routes: bool = True
     """Ask the engine for routed experts (R3) when the model is a MoE."""
+    tool_schemas_in_prompt: bool = True
+    """Render the env's tool schemas into the system turn; off for a model that learned its tools by
+    SFT (the schemas cost a tiny model's prompt hundreds of tokens)."""
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.max_total_tokens < 2 or self.engine_retries < 0:
@@ -80,28 +83,65 @@ class RolloutDriver:
         self.num_experts = num_experts
         """Experts per MoE layer of the engine's model (0 for a dense model: no routes recorded)."""
         self.counts: Counter[str] = Counter()
-        """Outcomes so far: `status:<status>`, `reason:<reason>`, `resumed`, `dropped_groups`."""
+        """Outcomes so far: `status:<status>`, `reason:<reason>`, `resumed`, `dropped_groups`,
+        `resumed_from_checkpoint`, `resume_tool_output_changed`."""
+        self._groups: dict[str, dict[str, Trajectory]] = {}
         self._ids = itertools.count()
         self._eos_text = tokenizer.eos_token or ""
         probe = self._render([{"role": "assistant", "content": "\x00"}], None, generation_prompt=False)
         self._assistant_tail = probe[probe.index("\x00") + 1 :]
         """What the template writes after an assistant message's content (e.g. `<|im_end|>\n`)."""
 
-    async def rollout_group(self, task: Task, group_id: str | None = None) -> list[Trajectory]:
-        """`group_size` episodes on one task. A failed member drops the group if so configured."""
+    async def rollout_group(
+        self, task: Task, group_id: str | None = None, resume: Mapping[str, Trajectory] | None = None
+    ) -> list[Trajectory]:
+        """`group_size` episodes on one task. A failed member drops the group if so configured.
+
+        `resume` maps member ids (`<group_id>/<i>`) to records saved from an earlier run (see
+        `in_flight`): a finished one is returned as it is, a running one is resumed where it stopped.
+        """
         group = group_id or f"group-{next(self._ids)}"
-        episodes = [self.rollout(task, group, f"{group}/{i}") for i in range(self.config.group_size)]
-        trajectories = list(await asyncio.gather(*episodes))
+        saved = dict(resume or {})
+        strangers = set(saved) - {f"{group}/{i}" for i in range(self.config.group_size)}
+        if strangers:
+            raise ValueError(f"resume records that are not members of {group!r}: {sorted(strangers)}")
+        self._groups[group] = members = {}
+        try:
+            episodes = []
+            for i in range(self.config.group_size):
+                member = f"{group}/{i}"
+                record = saved.pop(member, None)
+                if record is not None and record.status is not Status.RUNNING:
+                    members[member] = record
+                    episodes.append(_done(record))
+                else:
+                    episodes.append(self.rollout(task, group, member, partial=record))
+            trajectories = list(await asyncio.gather(*episodes))
+        finally:
+            del self._groups[group]
         if self.config.on_failure == "drop_group" and any(t.status is Status.FAILED for t in trajectories):
             self.counts["dropped_groups"] += 1
             return []
         return trajectories
 
-    async def rollout(self, task: Task, group_id: str, trajectory_id: str) -> Trajectory:
-        """One episode; always returns a finished trajectory (failures included)."""
+    def in_flight(self) -> dict[str, list[Trajectory]]:
+        """The groups being played now: group id -> its members' records so far (running ones are
+        partial, finished ones wait for the rest of their group). Copies, safe to serialise while the
+        episodes go on; members not started yet are absent."""
+        return {
+            group: [Trajectory.from_json(t.to_json()) for t in members.values()]
+            for group, members in self._groups.items()
+        }
+
+    async def rollout(
+        self, task: Task, group_id: str, trajectory_id: str, partial: Trajectory | None = None
+    ) -> Trajectory:
+        """One episode; always returns a finished trajectory (failures included). `partial`: a running
+        record of this episode from an earlier run, continued in place: its turns are replayed into a
+        fresh env (tools run again) and generation goes on from its last token."""
         env = self.make_env()
         try:
-            trajectory = await self._play(env, task, group_id, trajectory_id)
+            trajectory = await self._play(env, task, group_id, trajectory_id, partial)
         finally:
             env.close()
         self.counts[f"status:{trajectory.status.value}"] += 1
@@ -109,14 +149,29 @@ class RolloutDriver:
             self.counts[f"reason:{trajectory.status_reason}"] += 1
         return trajectory
 
-    async def _play(self, env: ToolEnv, task: Task, group_id: str, trajectory_id: str) -> Trajectory:
+    async def _play(
+        self, env: ToolEnv, task: Task, group_id: str, trajectory_id: str, partial: Trajectory | None
+    ) -> Trajectory:
         observation, _ = env.reset(options={"task": task})
         messages: list[Message] = list(observation)
-        tools = env.tool_schemas() or None
+        tools = (env.tool_schemas() if self.config.tool_schemas_in_prompt else None) or None
         prompt = self._encode(self._render(messages, tools, generation_prompt=True))
-        trajectory = Trajectory.start(trajectory_id, group_id, task.id, prompt)
+        trajectory = partial or Trajectory.start(trajectory_id, group_id, task.id, prompt)
+        if (trajectory.id, trajectory.group_id, trajectory.task_id) != (trajectory_id, group_id, task.id):
+            raise ValueError(f"record {trajectory.id!r} ({trajectory.task_id!r}) is not this episode")
+        if group_id in self._groups:
+            self._groups[group_id][trajectory_id] = trajectory
+        pending: tuple[list[int], bool] = ([], False)
+        if partial is not None:
+            replayed = await self._replay(env, trajectory, prompt, messages, tools)
+            if isinstance(replayed, str):
+                return self._finish(trajectory, Status.FAILED, replayed, 0.0)
+            pending = replayed
+            self.counts["resumed_from_checkpoint"] += 1
         while True:
-            turn = await self._generate_turn(trajectory)
+            produced, complete = pending
+            pending = ([], False)
+            turn = produced if complete else await self._generate_turn(trajectory, produced)
             if isinstance(turn, str):  # why the turn could not be generated
                 status = Status.TRUNCATED if turn.startswith("context") else Status.FAILED
                 return self._finish(trajectory, status, turn, 0.0)
@@ -126,22 +181,69 @@ class RolloutDriver:
                 status = Status.COMPLETED if terminated else Status.TRUNCATED
                 reason = "" if terminated else str(info.get("truncation_reason") or "truncated")
                 return self._finish(trajectory, status, reason, float(reward), info)
-            # The tool turn: exactly what the template renders between this assistant message and
-            # the next generation prompt, tokenized once.
-            assistant: Message = {"role": "assistant", "content": content}
-            before = self._render([*messages, assistant], tools, generation_prompt=False)
-            after = self._render([*messages, assistant, *observation], tools, generation_prompt=True)
-            if not after.startswith(before):
+            tool_turn = self._tool_turn(messages, content, observation, tools, turn)
+            if tool_turn is None:
                 return self._finish(trajectory, Status.FAILED, "chat template is not prefix-stable", 0.0)
-            generated_text = self.tokenizer.decode(turn, skip_special_tokens=False)
-            already = generated_text[len(content) :]  # the part of the closing the model emitted itself
-            closing = self._assistant_tail.removeprefix(already)
-            trajectory.append_tool(self._encode(closing + after[len(before) :]))
-            messages += [assistant, *observation]
+            trajectory.append_tool(tool_turn)
+            messages += [{"role": "assistant", "content": content}, *observation]
 
-    async def _generate_turn(self, trajectory: Trajectory) -> list[int] | str:
-        """Generate one assistant turn into `trajectory` (resuming across aborts); its tokens, or why not."""
-        produced: list[int] = []
+    def _tool_turn(
+        self,
+        messages: list[Message],
+        content: str,
+        observation: Sequence[Message],
+        tools: list[dict[str, Any]] | None,
+        turn: Sequence[int],
+    ) -> list[int] | None:
+        """The tool turn's tokens: exactly what the template renders between this assistant message
+        and the next generation prompt, tokenized once (None if the template is not prefix-stable)."""
+        assistant: Message = {"role": "assistant", "content": content}
+        before = self._render([*messages, assistant], tools, generation_prompt=False)
+        after = self._render([*messages, assistant, *observation], tools, generation_prompt=True)
+        if not after.startswith(before):
+            return None
+        generated_text = self.tokenizer.decode(list(turn), skip_special_tokens=False)
+        already = generated_text[len(content) :]  # the part of the closing the model emitted itself
+        closing = self._assistant_tail.removeprefix(already)
+        return self._encode(closing + after[len(before) :])
+
+    async def _replay(
+        self,
+        env: ToolEnv,
+        trajectory: Trajectory,
+        prompt: list[int],
+        messages: list[Message],
+        tools: list[dict[str, Any]] | None,
+    ) -> tuple[list[int], bool] | str:
+        """Bring a fresh env to where a saved running record stopped: every completed turn is stepped
+        again (its tools rerun; the record keeps the tool tokens the model saw). Returns the tokens of
+        the unfinished last turn and whether its generation had already ended, or why not resumable."""
+        if trajectory.status is not Status.RUNNING:
+            return f"cannot resume a {trajectory.status} trajectory"
+        if list(trajectory.segments[0].tokens) != prompt:
+            return "cannot resume: the prompt renders differently now"
+        turn: list[int] = []
+        last_reason = ""
+        for segment in trajectory.segments[1:]:
+            if segment.origin is Origin.MODEL:
+                turn += segment.tokens
+                last_reason = segment.finish_reason or ""
+                continue
+            content = self._decode_content(turn)
+            observation, _, terminated, truncated, _ = await env.astep(content)
+            if terminated or truncated:
+                return "cannot resume: the replayed episode ended before the record did"
+            if self._tool_turn(messages, content, observation, tools, turn) != list(segment.tokens):
+                self.counts["resume_tool_output_changed"] += 1  # the model saw the recorded one
+            messages += [{"role": "assistant", "content": content}, *observation]
+            turn = []
+        ended = bool(turn) and last_reason in (FinishReason.STOP.value, FinishReason.LENGTH.value)
+        return turn, ended or len(turn) >= self.config.sampling.max_new_tokens
+
+    async def _generate_turn(self, trajectory: Trajectory, produced: list[int]) -> list[int] | str:
+        """Generate one assistant turn into `trajectory` (resuming across aborts), continuing after
+        `produced` (its tokens already in the record); the turn's tokens, or why not."""
+        produced = list(produced)
         budget = self.config.sampling.max_new_tokens
         failures = 0
         while True:
@@ -249,3 +351,7 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float):
         return value if value == value and abs(value) != float("inf") else None
     return str(value)
+
+
+async def _done(trajectory: Trajectory) -> Trajectory:
+    return trajectory

@@ -44,6 +44,9 @@ class ToolEnvConfig:
     """Reward for a well-formed but wrong final answer (0 disables)."""
     settings: Mapping[str, Any] = field(default_factory=dict)
     """Settings handed to tools (e.g. `retriever_url` for search)."""
+    system_prompt: str | None = None
+    """The system message posing every task: None uses the env's own, "" sends none (a tiny model that
+    learned the tool format by SFT needs no instructions, and short prompts train much faster)."""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.max_tool_calls < 0 or self.max_context_chars < 1:
@@ -87,6 +90,14 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
     def initial_messages(self, task: Task) -> list[Message]:
         """The system and user messages that pose `task`."""
         raise NotImplementedError
+
+    def pose(self, default_system_prompt: str, question: str) -> list[Message]:
+        """A system message (`config.system_prompt`, else the env's default; none if empty) and the
+        question as the user message."""
+        system = self.config.system_prompt
+        system = default_system_prompt if system is None else system
+        user: Message = {"role": "user", "content": question}
+        return [{"role": "system", "content": system}, user] if system else [user]
 
     def score(self, task: Task, final_message: str) -> Reward:
         """The reward of an episode whose last assistant message is `final_message`."""

@@ -57,7 +57,7 @@ class CodeMathEnv(ToolEnv):
         super().__init__(load_tasks(tasks) if isinstance(tasks, str) else tasks, config, render_mode)
 
     def initial_messages(self, task: Task) -> list[Message]:
-        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.question}]
+        return self.pose(SYSTEM_PROMPT, task.question)
 
     def score(self, task: Task, final_message: str) -> Reward:
         return boxed_math_reward(final_message, task.answers, self.config.format_weight)

@@ -106,6 +106,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(backend=args.backend)
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """`pacerl train [--config FILE] [key=value ...] [--resume RUN_DIR]`."""
+    from pacerl.train import main_train
+
+    return main_train(args.config, args.overrides, args.resume)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pacerl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="run the main job on the embedded defaults")
     demo.add_argument("--backend", default="local", choices=sorted(BACKENDS))
     demo.set_defaults(handler=cmd_demo)
+
+    train = commands.add_parser("train", help="train with async RL (no arguments: the embedded defaults)")
+    train.add_argument("--config", help="a TOML or JSON run config (default: the built-in one)")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    train.add_argument("overrides", nargs="*", help="key=value settings, e.g. loop.steps=50 learner.lr=3e-5")
+    train.set_defaults(handler=cmd_train)
 
     sandbox = commands.add_parser("sandbox", help="run code in a sandbox").add_subparsers(
         dest="sandbox_command", required=True

@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import pytest
 import torch
 
 from trainer.advantages import dr_grpo_advantages, grpo_advantages, reinforce_pp_baseline_advantages
-from trainer.losses import ClipConfig, SATConfig, grpo_loss, gspo_loss, sat_bounds
+from trainer.losses import (
+    ClipConfig,
+    SATConfig,
+    decoupled_ppo_loss,
+    entropy_from_logits,
+    gmc_loss,
+    grpo_loss,
+    gspo_loss,
+    kl_k3,
+    sat_bounds,
+    token_logprobs,
+)
+
+NAN = float("nan")
+
+
+def _close(actual: torch.Tensor, expected: float | list[float] | list[list[float]]) -> None:
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), rtol=1e-6, atol=1e-6)
 
 
 def test_advantages_by_hand() -> None:
@@ -144,3 +162,304 @@ def test_bad_batches_are_refused(kwargs: dict[str, torch.Tensor], message: str) 
     } | kwargs
     with pytest.raises(ValueError, match=message):
         grpo_loss(**batch)
+
+
+def test_decoupled_ppo_is_ppo_clip_when_the_proximal_policy_is_the_behaviour_one() -> None:
+    # The grpo test's batch, anchored at non-zero log-probs: ratios 1.5, 0.5 (A = +1) and 1.5 (A = -1);
+    # prox == behav gives w = 1 in every mode.
+    anchor = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
+    new = anchor + torch.log(torch.tensor([[1.5, 0.5], [1.5, 1.0]]))
+    mask = torch.tensor([[True, True], [True, False]])
+    advantages = torch.tensor([1.0, -1.0])
+    for mode in ("none", "mask", "truncate"):
+        out = decoupled_ppo_loss(new, anchor, anchor, advantages, mask, behaviour_weight=mode)
+        # -min(1.5, 1.2) = -1.2, -min(0.5, 0.8) = -0.5, -min(-1.5, -1.2) = 1.5 over 3 tokens
+        _close(out.loss, (-1.2 - 0.5 + 1.5) / 3)
+        _close(out.clip_fraction, 1 / 3)
+        assert out.masked_fraction.item() == 0.0
+        per_sequence = decoupled_ppo_loss(
+            new, anchor, anchor, advantages, mask, behaviour_weight=mode, aggregation="sequence"
+        )
+        _close(per_sequence.loss, ((-1.2 - 0.5) / 2 + 1.5) / 2)
+        _close(per_sequence.loss, grpo_loss(new, anchor, advantages, mask).loss.item())
+
+
+def test_decoupled_ppo_behaviour_weights_by_hand() -> None:
+    # prox = 0, so u = exp(logp); w = exp(prox - behav) = exp(-behav). The third token of sequence 2 is
+    # padding and holds NaN everywhere.
+    u = torch.tensor([[1.1, 1.5, 0.9], [1.5, 0.7, NAN]])
+    w = torch.tensor([[1.0, 2.0, 8.0], [0.5, 4.0, NAN]])
+    proximal = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, NAN]])
+    behaviour = -torch.log(w)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    advantages = torch.tensor([1.0, -1.0])
+    # pg, clip [0.8, 1.2]: A = +1: -1.1, -min(1.5, 1.2) = -1.2 (clipped), -0.9;
+    #                      A = -1: max(1.5, 1.2) = 1.5, max(0.7, 0.8) = 0.8 (clipped)  -> 2 of 5 clipped
+    results = {}
+    for mode in ("none", "mask", "truncate"):
+        new = torch.log(u).requires_grad_(True)
+        out = decoupled_ppo_loss(
+            new, proximal, behaviour, advantages, mask, behaviour_weight=mode, weight_cap=5
+        )
+        out.loss.backward()
+        assert new.grad is not None and bool(torch.isfinite(new.grad).all())
+        _close(out.clip_fraction, 2 / 5)
+        results[mode] = (out, new.grad)
+    # none: w = 1 -> (-1.1 - 1.2 - 0.9 + 1.5 + 0.8) / 5
+    _close(results["none"][0].loss, -0.9 / 5)
+    # mask: w = 8 > 5 drops that token but it stays in the count:
+    # (-1.1·1 - 1.2·2 + 0 + 1.5·0.5 + 0.8·4) / 5 = (-1.1 - 2.4 + 0.75 + 3.2) / 5 = 0.45 / 5
+    _close(results["mask"][0].loss, 0.09)
+    _close(results["mask"][0].masked_fraction, 1 / 5)
+    # truncate: w = min(8, 5) = 5 -> (-1.1 - 2.4 - 0.9·5 + 0.75 + 3.2) / 5 = -4.05 / 5
+    _close(results["truncate"][0].loss, -0.81)
+    assert results["truncate"][0].masked_fraction.item() == 0.0
+    # d/dlogp of -A·u·w/5 is -A·u·w/5 on unclipped tokens and 0 on clipped, dropped or padded ones:
+    # truncate: -1.1/5, 0, -0.9·5/5 | 1.5·0.5/5, 0, 0; mask: the w = 8 token's gradient is 0.
+    _close(results["truncate"][1], [[-0.22, 0.0, -0.9], [0.15, 0.0, 0.0]])
+    _close(results["mask"][1], [[-0.22, 0.0, 0.0], [0.15, 0.0, 0.0]])
+    by_sequence = decoupled_ppo_loss(
+        torch.log(u), proximal, behaviour, advantages, mask, weight_cap=5, aggregation="sequence"
+    )
+    # (-1.1 - 2.4 + 0) / 3 and (0.75 + 3.2) / 2, then the mean of the two
+    _close(by_sequence.loss, ((-1.1 - 2.4) / 3 + (0.75 + 3.2) / 2) / 2)
+    # dual clip c = 1.3 caps the A = -1, u = 1.5 token at 1.3·|A|; the A = +1 tokens are untouched
+    dual = decoupled_ppo_loss(
+        torch.log(u), proximal, behaviour, advantages, mask, behaviour_weight="none", dual_clip=1.3
+    )
+    _close(dual.loss, (-1.1 - 1.2 - 0.9 + 1.3 + 0.8) / 5)
+
+
+def test_decoupled_ppo_weight_cap_boundary_by_hand() -> None:
+    # u = 1 and A = +1, so pg = -1 on each token; w = 1, exactly 2 (= the cap) and 2·e^0.001 = 2.002001.
+    new = torch.zeros(1, 3)
+    behaviour = torch.tensor([[0.0, -math.log(2), -(math.log(2) + 1e-3)]])
+    assert torch.exp(-behaviour)[0, 1].item() == 2.0
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    advantages = torch.tensor([1.0])
+
+    def run(mode: Literal["none", "mask", "truncate"], cap: float | None) -> tuple[float, float]:
+        out = decoupled_ppo_loss(new, new, behaviour, advantages, mask, behaviour_weight=mode, weight_cap=cap)
+        return out.loss.item(), out.masked_fraction.item()
+
+    # mask: w = 2 is kept (only w > cap is dropped), w = 2.002 is dropped: -(1 + 2 + 0) / 3
+    assert run("mask", 2.0) == pytest.approx((-1.0, 1 / 3))
+    # truncate: both weights at and above the cap count 2: -(1 + 2 + 2) / 3
+    assert run("truncate", 2.0) == pytest.approx((-5 / 3, 0.0))
+    # no cap: w applied as is: -(1 + 2 + 2.002001) / 3
+    assert run("mask", None) == pytest.approx((-(3 + 2 * math.exp(1e-3)) / 3, 0.0))
+    assert run("none", 2.0) == pytest.approx((-1.0, 0.0))
+
+
+def test_decoupled_ppo_takes_sat_bounds_from_the_behaviour_policy() -> None:
+    # d = logp - behav = .01 .02 .03 .15 -> q(0.5) = .025, tokens 3 and 4 gated; token 4: k = 1/26, so
+    # hi = 1 + 0.2/26 = 1.0077. prox = logp on tokens 1-3 and 0 on token 4: u = 1, 1, 1, e^0.15 = 1.1618.
+    new = torch.tensor([[0.01, 0.02, 0.03, 0.15]], requires_grad=True)
+    proximal = torch.tensor([[0.01, 0.02, 0.03, 0.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    out = decoupled_ppo_loss(
+        new,
+        proximal,
+        torch.zeros(1, 4),
+        torch.tensor([1.0]),
+        mask,
+        behaviour_weight="none",
+        sat=SATConfig(0.5),
+    )
+    out.loss.backward()
+    assert new.grad is not None and new.grad[0, 3].item() == 0.0  # 1.1618 > 1.0077: clipped
+    _close(new.grad[0, :3], [-0.25, -0.25, -0.25])  # u = 1 inside: d(-u)/dlogp / 4 tokens
+    _close(out.gate_rate, 0.5)
+    _close(out.mean_contraction, (1 / 26 + 1 / 1.04) / 2)
+    plain = decoupled_ppo_loss(
+        new, proximal, torch.zeros(1, 4), torch.tensor([1.0]), mask, behaviour_weight="none"
+    )
+    _close(plain.loss, -(3 + math.exp(0.15)) / 4)  # without SAT, 1.1618 < 1.2 stays unclipped
+
+
+def test_gmc_caps_only_the_group_over_its_mass_by_hand() -> None:
+    # log π_θ - log μ per token (μ = 0); padding holds NaN. Groups by id: 7 = sequences 0-1, 3 = 2-3.
+    new = torch.tensor([[0.1, 0.3], [-0.2, NAN], [0.5, 0.7], [0.4, NAN]], requires_grad=True)
+    behaviour = torch.tensor([[0.0, 0.0], [0.0, NAN], [0.0, 0.0], [0.0, NAN]])
+    mask = torch.tensor([[True, True], [True, False], [True, True], [True, False]])
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    groups = torch.tensor([7, 7, 3, 3])
+    out = gmc_loss(new, behaviour, advantages, mask, groups, eps=0.2)
+    # length-normalised ρ: e^0.2 = 1.2214028, e^-0.2 = 0.8187308 (sum 2.0401335 < C = 2·1.2 = 2.4: scale 1);
+    # e^0.6 = 1.8221188, e^0.4 = 1.4918247 (sum 3.3139435 > 2.4: scale = 2.4 / 3.3139435 = 0.7242127)
+    rho = [math.exp(0.2), math.exp(-0.2), math.exp(0.6), math.exp(0.4)]
+    scale = 2.4 / (rho[2] + rho[3])
+    # -(1/4)·[1.2214028 - 0.8187308 + 0.7242127·(1.8221188 - 1.4918247)] = -0.1604688
+    _close(out.loss, -(rho[0] - rho[1] + scale * (rho[2] - rho[3])) / 4)
+    _close(out.clip_fraction, 0.5)
+    out.loss.backward()
+    # d/dlogp_t = -(1/4)·scale·ρ_i·A_i / |y_i| with the scale held fixed:
+    # seq 0: -1.2214028/8 = -0.1526753; seq 1: +0.8187308/4 = 0.2046827;
+    # seq 2: -0.7242127·1.8221188/8 = -0.1649502; seq 3: +0.7242127·1.4918247/4 = 0.2700996
+    expected = [
+        [-rho[0] / 8, -rho[0] / 8],
+        [rho[1] / 4, 0.0],
+        [-scale * rho[2] / 8, -scale * rho[2] / 8],
+        [scale * rho[3] / 4, 0.0],
+    ]
+    assert new.grad is not None
+    _close(new.grad, expected)
+    # The group under the cap alone is the plain IS-weighted policy gradient: -(ρ_0·1 - ρ_1) / 2
+    alone = gmc_loss(new[:2], behaviour[:2], advantages[:2], mask[:2], groups[:2])
+    _close(alone.loss, -(rho[0] - rho[1]) / 2)
+    assert alone.clip_fraction.item() == 0.0
+
+
+def test_gmc_trajectory_ratio_without_length_normalisation_by_hand() -> None:
+    new = torch.tensor([[0.1, 0.3], [-0.2, 0.0], [0.5, 0.7], [0.4, 0.0]])
+    mask = torch.tensor([[True, True], [True, False], [True, True], [True, False]])
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    out = gmc_loss(new, torch.zeros(4, 2), advantages, mask, groups, length_normalized=False)
+    # ρ = e^0.4 = 1.4918247, e^-0.2 = 0.8187308 (sum 2.3105555 < 2.4: scale 1);
+    # e^1.2 = 3.3201169, e^0.4 = 1.4918247 (sum 4.8119416: scale 2.4 / 4.8119416 = 0.4987592)
+    scale = 2.4 / (math.exp(1.2) + math.exp(0.4))
+    # -(1/4)·[1.4918247 - 0.8187308 + 0.4987592·(3.3201169 - 1.4918247)] = -0.3962429
+    _close(out.loss, -(math.exp(0.4) - math.exp(-0.2) + scale * (math.exp(1.2) - math.exp(0.4))) / 4)
+    # ρ = e^100 overflows float32, but the capped weight C·ρ_i/Σρ_j does not: 2.4 and 2.4·e^-100 ≈ 0
+    huge = gmc_loss(
+        torch.tensor([[100.0], [0.0]]),
+        torch.zeros(2, 1),
+        torch.tensor([1.0, -1.0]),
+        torch.ones(2, 1, dtype=torch.bool),
+        torch.tensor([0, 0]),
+        length_normalized=False,
+    )
+    _close(huge.loss, -(2.4 - 0.0) / 2)
+
+
+def test_kl_k3_by_hand() -> None:
+    logprobs = torch.log(torch.tensor([[0.5, 0.25], [0.5, NAN]])).requires_grad_(True)
+    reference = torch.log(torch.tensor([[0.25, 0.5], [0.5, NAN]]))
+    mask = torch.tensor([[True, True], [True, False]])
+    assert kl_k3(reference, reference, mask).item() == 0.0
+    kl = kl_k3(logprobs, reference, mask)
+    # δ = ref - logp = -ln 2, ln 2, 0: (0.5 + ln 2 - 1) + (2 - ln 2 - 1) + 0 = 0.5 over 3 tokens
+    _close(kl, 0.5 / 3)
+    kl.backward()
+    # d/dlogp (e^δ - δ - 1) = 1 - e^δ: 1 - 0.5, 1 - 2, 0 (each / 3); padding gets 0
+    assert logprobs.grad is not None
+    _close(logprobs.grad, [[0.5 / 3, -1 / 3], [0.0, 0.0]])
+
+
+def test_entropy_by_hand() -> None:
+    assert entropy_from_logits(torch.zeros(1, 1, 4), torch.ones(1, 1, dtype=torch.bool)).item() == (
+        pytest.approx(math.log(4))
+    )
+    logits = torch.tensor(
+        [
+            [[0.0, 0.0, 0.0], [math.log(0.7), math.log(0.2), math.log(0.1)]],
+            [[0.0, 0.0, -math.inf], [NAN, NAN, NAN]],
+        ],
+        requires_grad=True,
+    )
+    mask = torch.tensor([[True, True], [True, False]])
+    entropy = entropy_from_logits(logits, mask)
+    # uniform over 3: ln 3 = 1.0986123; peaked: -(0.7 ln 0.7 + 0.2 ln 0.2 + 0.1 ln 0.1) = 0.8018186;
+    # a banned token leaves a uniform pair: ln 2 = 0.6931472
+    peaked = -(0.7 * math.log(0.7) + 0.2 * math.log(0.2) + 0.1 * math.log(0.1))
+    _close(entropy, (math.log(3) + peaked + math.log(2)) / 3)
+    entropy.backward()
+    assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
+    # temperature 2 flattens softmax([ln 4, 0]) = (0.8, 0.2) to softmax([ln 2, 0]) = (2/3, 1/3)
+    hot = entropy_from_logits(torch.tensor([[[math.log(4), 0.0]]]), torch.ones(1, 1, dtype=torch.bool), 2.0)
+    _close(hot, -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3)))
+
+
+def test_token_logprobs_by_hand() -> None:
+    logits = torch.tensor([[[2 * math.log(2), 0.0, 0.0], [0.0, 2 * math.log(3), 0.0]]])
+    targets = torch.tensor([[0, 1]])
+    # T = 1: softmax([4, 1, 1]/6) at 0 = 2/3; softmax([1, 9, 1]/11) at 1 = 9/11
+    _close(token_logprobs(logits, targets), [[math.log(2 / 3), math.log(9 / 11)]])
+    # T = 2 halves the logits: [ln 2, 0, 0] -> 2/4 at 0; [0, ln 3, 0] -> 3/5 at 1
+    _close(token_logprobs(logits, targets, temperature=2.0), [[math.log(0.5), math.log(0.6)]])
+    assert token_logprobs(logits.bfloat16(), targets).dtype == torch.float32
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(logits, targets, temperature=0.0)
+    with pytest.raises(ValueError, match="token ids"):
+        token_logprobs(logits, torch.tensor([[0, 3]]))
+    with pytest.raises(ValueError, match="integer"):
+        token_logprobs(logits, targets.float())
+
+
+def _nan_at(row: int, column: int) -> torch.Tensor:
+    logprobs = torch.zeros(2, 2)
+    logprobs[row, column] = NAN
+    return logprobs
+
+
+@pytest.mark.parametrize("loss", ["decoupled", "gmc", "kl"])
+def test_nan_on_a_trainable_token_is_refused_and_on_padding_ignored(loss: str) -> None:
+    mask = torch.tensor([[True, True], [True, False]])
+
+    def call(logprobs: torch.Tensor) -> torch.Tensor:
+        zeros, advantages = torch.zeros(2, 2), torch.tensor([1.0, -1.0])
+        if loss == "decoupled":
+            return decoupled_ppo_loss(logprobs, zeros, zeros, advantages, mask).loss
+        if loss == "gmc":
+            return gmc_loss(logprobs, zeros, advantages, mask, torch.tensor([0, 0])).loss
+        return kl_k3(logprobs, zeros, mask)
+
+    with pytest.raises(ValueError, match="logprobs contain NaN"):
+        call(_nan_at(0, 1))
+    padded = _nan_at(1, 1).requires_grad_(True)
+    value = call(padded)
+    value.backward()
+    assert padded.grad is not None
+    assert math.isfinite(value.item()) and bool(torch.isfinite(padded.grad).all())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"group_index": torch.tensor([0.0, 1.0])}, "integer"),
+        ({"group_index": torch.tensor([0, 0, 1])}, r"group_index must be \[B\]"),
+        ({"behaviour_logprobs": torch.zeros(2, 3)}, "must share a"),
+        ({"eps": -0.1}, "eps"),
+    ],
+)
+def test_gmc_bad_batches_are_refused(kwargs: dict[str, object], message: str) -> None:
+    batch: dict[str, object] = {
+        "logprobs": torch.zeros(2, 2),
+        "behaviour_logprobs": torch.zeros(2, 2),
+        "advantages": torch.zeros(2),
+        "mask": torch.ones(2, 2, dtype=torch.bool),
+        "group_index": torch.tensor([0, 1]),
+    } | kwargs
+    with pytest.raises(ValueError, match=message):
+        gmc_loss(**batch)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"weight_cap": 1.0}, "weight_cap"),
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"behaviour_weight": "clip"}, "behaviour_weight"),
+        ({"aggregation": "batch"}, "aggregation"),
+    ],
+)
+def test_decoupled_ppo_bad_settings_are_refused(kwargs: dict[str, object], message: str) -> None:
+    zeros, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match=message):
+        decoupled_ppo_loss(zeros, zeros, zeros, torch.zeros(1), mask, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token"])
+def test_nan_in_padding_leaves_grpo_and_gspo_and_their_gradients_finite(name: str) -> None:
+    mask = torch.tensor([[True, True, False]])
+    new = torch.tensor([[-1.0, -2.0, float("nan")]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.9, float("nan")]])
+    advantages = torch.tensor([1.0])
+    if name == "grpo":
+        out = grpo_loss(new, old, advantages, mask, sat=SATConfig())
+    else:
+        out = gspo_loss(new, old, advantages, mask, token_level=name == "gspo_token", sat=SATConfig())
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and new.grad is not None and torch.isfinite(new.grad).all()
+    assert new.grad[0, 2] == 0

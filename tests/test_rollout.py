@@ -14,7 +14,7 @@ from agents.engine import EmbeddedEngine, FinishReason, Generation, SamplingPara
 from agents.models import TinyMoEConfig, build_tiny_moe
 from agents.rollout import RolloutConfig, RolloutDriver
 from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Origin, Status
+from agents.trajectory import Origin, Status, Trajectory
 from envs import Task, load_tasks
 from envs.code_math import CodeMathEnv
 
@@ -192,3 +192,65 @@ async def test_prompt_longer_than_the_context_is_truncated(tokenizer: object) ->
     assert trajectory.status is Status.TRUNCATED and trajectory.status_reason == "context budget exhausted"
     with pytest.raises(ValueError, match="group_size"):
         RolloutConfig(group_size=0)
+
+
+class GatedEngine(ScriptedEngine):
+    """A scripted engine whose second call waits until `release` is set (an episode caught mid-way)."""
+
+    def __init__(self, tokenizer: object, turns: Sequence[str]) -> None:
+        super().__init__(tokenizer, turns)
+        self.release = asyncio.Event()
+
+    async def generate(self, *args: object, **kwargs: object) -> Generation:
+        if self.calls:
+            await self.release.wait()
+        return await super().generate(*args, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_in_flight_records_resume_to_the_same_episode(tokenizer: object) -> None:
+    """A checkpoint's partial record (one turn and its tool output done, the second turn cut short by
+    an interrupt) resumes in a fresh driver: the tool reruns, generation continues from the last token,
+    and the finished record equals an uninterrupted episode token for token."""
+    final = "The product is \\boxed{5535}.<|im_end|>"
+    gated = GatedEngine(tokenizer, [CALL, final])
+    driver = RolloutDriver(gated, tokenizer, lambda: CodeMathEnv(tasks=[TASK]), RolloutConfig(group_size=2))
+    group = asyncio.ensure_future(driver.rollout_group(TASK, "g7"))
+    for _ in range(1000):
+        snapshot = driver.in_flight()
+        if any(len(t.segments) == 3 for t in snapshot.get("g7", [])):
+            break
+        await asyncio.sleep(0.01)
+    partial = next(t for t in snapshot["g7"] if len(t.segments) == 3)
+    assert partial.status is Status.RUNNING and [s.origin for s in partial.segments] == [
+        Origin.PROMPT,
+        Origin.MODEL,
+        Origin.TOOL,
+    ]
+    gated.turns = [CALL, final, final]  # let the group finish
+    gated.release.set()
+    reference = next(t for t in await group if t.id == partial.id)
+    # Cut the second turn in two, as an interrupt would have left it, then resume the record.
+    second = tokenizer.encode(final)  # type: ignore[attr-defined]
+    saved = Trajectory.from_json(partial.to_json())
+    saved.append_model(second[:4], [-0.5] * 4, version=3, started_at=0, ended_at=0, finish_reason="abort")
+    engine = ScriptedEngine(tokenizer, [tokenizer.decode(second[4:])])  # type: ignore[attr-defined]
+    resumed_driver = RolloutDriver(
+        engine, tokenizer, lambda: CodeMathEnv(tasks=[TASK]), RolloutConfig(group_size=2)
+    )
+    other = (
+        reference.id.replace("/0", "/1") if reference.id.endswith("/0") else reference.id.replace("/1", "/0")
+    )
+    done = Trajectory.from_json(reference.to_json())
+    done_other = Trajectory.from_json(done.to_json() | {"id": other})
+    saved_tokens = list(saved.tokens)
+    result = await resumed_driver.rollout_group(TASK, "g7", resume={saved.id: saved, other: done_other})
+    resumed = next(t for t in result if t.id == saved.id)
+    assert resumed.status is Status.COMPLETED and resumed.reward == 1.0
+    assert list(resumed.tokens) == list(reference.tokens)
+    assert [s.version for s in resumed.segments[3:]] == [3, 0]  # the cut-short turn, then its rest
+    assert engine.calls == [saved_tokens]  # generation continued from the last saved token
+    assert resumed_driver.counts["resumed_from_checkpoint"] == 1
+    assert resumed_driver.counts["resume_tool_output_changed"] == 0
+    assert next(t for t in result if t.id == other) is done_other  # a finished member is kept as saved
+    with pytest.raises(ValueError, match="not members"):
+        await resumed_driver.rollout_group(TASK, "g8", resume={saved.id: saved})

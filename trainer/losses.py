@@ -1,14 +1,18 @@
 """Policy losses as pure functions: GRPO (token-level clip), GSPO and GSPO-token (sequence ratio),
-each with an optional staleness-adaptive trust region (SAT). ALGORITHMS.md §1, §3 and §5.
+each with an optional staleness-adaptive trust region (SAT); AReaL's decoupled PPO (with TIS); GMC-GRPO's
+group-mass capping; and the helpers around them (k3 KL, entropy, token log-probs).
+ALGORITHMS.md §1, §2, §3, §5 and §7.
 
-Shapes: `logprobs`, `old_logprobs`, `behaviour_logprobs`: `[B, T]` per-token log-probs of the
-sampled tokens (current policy, the ratio's anchor, the rollout engine); `mask`: `[B, T]` bool, True
-on trainable (model) tokens; `advantages`: `[B]`, one per sequence. Losses are to be minimised.
+Shapes: `logprobs`, `old_logprobs`, `proximal_logprobs`, `behaviour_logprobs`: `[B, T]` per-token
+log-probs of the sampled tokens (current policy, the ratio's anchor, the rollout engine); `mask`:
+`[B, T]` bool, True on trainable (model) tokens; `advantages`: `[B]`, one per sequence. Losses are to
+be minimised.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -56,6 +60,8 @@ class LossOutput:
     """Share gated by SAT (0 without SAT)."""
     mean_contraction: torch.Tensor
     """Mean contraction factor over gated entries (1 when none)."""
+    masked_fraction: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    """Share of trainable tokens dropped by a behaviour-weight cap (0 for losses without one)."""
 
 
 def sat_bounds(
@@ -108,7 +114,10 @@ def grpo_loss(
     tokens / number of tokens (DAPO). With `sat`, the per-token bounds come from `sat_bounds` on
     log π_θ - log μ (`behaviour_logprobs`, default `old_logprobs`).
     """
-    _check_shapes(logprobs, old_logprobs, mask, advantages)
+    _check_shapes(mask, advantages, logprobs=logprobs, old_logprobs=old_logprobs)
+    logprobs, old_logprobs = _off_mask_zeroed(mask, logprobs, old_logprobs)
+    if behaviour_logprobs is not None:
+        (behaviour_logprobs,) = _off_mask_zeroed(mask, behaviour_logprobs)
     ratio = torch.exp(logprobs - old_logprobs)
     lo, hi, gated, k = _bounds(logprobs, old_logprobs, behaviour_logprobs, mask, clip, sat)
     per_token, was_clipped = _surrogate(ratio, advantages[:, None], lo, hi)
@@ -136,7 +145,10 @@ def gspo_loss(
     when advantages are per sequence. With `sat`, the gate works on each sequence's mean
     log π_θ - log μ (a reconstruction: the paper leaves token- vs sequence-level gating open).
     """
-    _check_shapes(logprobs, old_logprobs, mask, advantages)
+    _check_shapes(mask, advantages, logprobs=logprobs, old_logprobs=old_logprobs)
+    logprobs, old_logprobs = _off_mask_zeroed(mask, logprobs, old_logprobs)
+    if behaviour_logprobs is not None:
+        (behaviour_logprobs,) = _off_mask_zeroed(mask, behaviour_logprobs)
     weights = mask.float()
     lengths = weights.sum(-1).clamp_min(1)
     sequence_log_ratio = ((logprobs - old_logprobs) * weights).sum(-1) / lengths
@@ -161,6 +173,209 @@ def gspo_loss(
     return _output(loss, clipped_share, gated[present], k[gated])
 
 
+def decoupled_ppo_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip: ClipConfig = ClipConfig(),
+    *,
+    behaviour_weight: Literal["none", "mask", "truncate"] = "mask",
+    weight_cap: float | None = 5.0,
+    aggregation: Literal["sequence", "token"] = "token",
+    dual_clip: float | None = None,
+    sat: SATConfig | None = None,
+) -> LossOutput:
+    """AReaL's decoupled PPO (arXiv 2505.24298; `ppo_actor_loss_fn`; ALGORITHMS.md §2): the trust region
+    is anchored at the proximal policy and the off-policy correction is a separate, detached weight.
+
+    Per token: u = exp(log π_θ - log π_prox), pg = max(-A·u, -A·clip(u, lo, hi)); with `dual_clip` c > 1,
+    pg = min(pg, c·|A|) as AReaL writes it, which binds only for A < 0 (for A >= 0, pg <= 0 <= c·|A|).
+    The behaviour weight is w = π_prox/π_behav:
+
+    - `mask`: tokens with w > `weight_cap` are dropped (AReaL's `behav_imp_weight_cap`), the rest keep w;
+    - `truncate`: w = min(w, `weight_cap`), truncated importance sampling (TIS; Yao et al. 2025, "Your
+      efficient RL framework secretly brings you off-policy RL training");
+    - `none`: w = 1, i.e. plain PPO-clip against π_prox.
+
+    `weight_cap=None` applies w uncapped in `mask` and `truncate`. aggregation: `token` = Σ pg·w over
+    trainable tokens / their number (AReaL); `sequence` = mean over sequences with trainable tokens of
+    each one's token mean. Dropped tokens stay in the denominators, as in AReaL: the cap removes a token's
+    contribution without inflating the others'. With `sat`, the bounds come from `sat_bounds` on
+    log π_θ - log μ (μ = `behaviour_logprobs`). Both anchors are constants (detached), so an approximate
+    π_prox built from π_θ (A-3PO's log-linear mix) cannot leak a gradient into the surrogate.
+
+    Shapes: `logprobs`, `proximal_logprobs`, `behaviour_logprobs`, `mask` `[B, T]`; `advantages` `[B]`.
+    clip_fraction, gate_rate and masked_fraction are shares of the trainable tokens.
+    """
+    _check_shapes(
+        mask,
+        advantages,
+        logprobs=logprobs,
+        proximal_logprobs=proximal_logprobs,
+        behaviour_logprobs=behaviour_logprobs,
+    )
+    if behaviour_weight not in ("none", "mask", "truncate"):
+        raise ValueError(f"behaviour_weight must be none, mask or truncate, got {behaviour_weight!r}")
+    if aggregation not in ("sequence", "token"):
+        raise ValueError(f"aggregation must be sequence or token, got {aggregation!r}")
+    if weight_cap is not None and not weight_cap > 1:
+        raise ValueError(f"weight_cap must be > 1 (w = 1 on policy), got {weight_cap}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    logprobs, proximal, behaviour = _off_mask_zeroed(mask, logprobs, proximal_logprobs, behaviour_logprobs)
+    proximal, behaviour = proximal.detach(), behaviour.detach()
+    lo, hi, gated, k = _bounds(logprobs, proximal, behaviour, mask, clip, sat)
+    advantage = advantages[:, None]
+    per_token, was_clipped = _surrogate(torch.exp(logprobs - proximal), advantage, lo, hi)
+    if dual_clip is not None:
+        per_token = torch.minimum(per_token, dual_clip * advantage.abs())
+    weight = torch.exp(proximal - behaviour)
+    dropped = torch.zeros_like(mask)
+    if behaviour_weight == "none":
+        weight = torch.ones_like(weight)
+    elif behaviour_weight == "mask" and weight_cap is not None:
+        dropped = mask & (weight > weight_cap)
+        weight = torch.where(dropped, 0.0, weight)
+    elif weight_cap is not None:
+        weight = weight.clamp_max(weight_cap)
+    weighted = per_token * torch.where(mask, weight, 0.0)
+    counts = mask.sum(-1)
+    if aggregation == "token":
+        loss = weighted.sum() / counts.sum().clamp_min(1)
+    else:
+        present = counts > 0
+        per_sequence = weighted.sum(-1) / counts.clamp_min(1)
+        loss = per_sequence[present].mean() if present.any() else per_sequence.sum() * 0
+    return _output(loss, was_clipped[mask], gated[mask], k[gated], dropped[mask])
+
+
+def gmc_loss(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    group_index: torch.Tensor,
+    *,
+    eps: float = 0.2,
+    length_normalized: bool = True,
+) -> LossOutput:
+    """Group-Mass Capping (GMC-GRPO, arXiv 2610.01896; ALGORITHMS.md §7). A reconstruction: only the
+    abstract and one third-party formula, w_i = ρ_i·min(1, C/Σ_j ρ_j), were available, so C = G(1+eps),
+    the detached scale and the length treatment of ρ are our reading, not the paper's code.
+
+    ρ_i = π_θ(y_i)/μ(y_i), the trajectory ratio (as in TIC-GRPO, arXiv 2508.02833), in log space: exp of
+    Σ_t (log π_θ - log μ) over its trainable tokens, or of their mean when `length_normalized` (the
+    default, GSPO's geometric mean). The raw ratio of a long response is the exp of a sum of many token
+    log-ratios and explodes or vanishes, so one sequence would carry its group's whole mass; the mean
+    keeps ρ near 1 for any length. For each group g, scale_g = sg[min(1, C_g/Σ_{j∈g} ρ_j)] with
+    C_g = G_g(1 + eps) and G_g its members present in the batch: a group whose importance mass exceeds the
+    cap is rescaled as a whole instead of clipping trajectories one by one. Loss = -(1/N) Σ_i
+    scale_{g(i)}·ρ_i·Â_i over the N sequences with trainable tokens (each group weighted by its members;
+    a sequence without trainable tokens is no member of its group).
+
+    Shapes: `logprobs`, `behaviour_logprobs`, `mask` `[B, T]`; `advantages` `[B]`; `group_index` `[B]`
+    integer (any ids, equal ids share a group). clip_fraction is the share of groups whose scale is < 1.
+    """
+    _check_shapes(mask, advantages, logprobs=logprobs, behaviour_logprobs=behaviour_logprobs)
+    if group_index.shape != advantages.shape:
+        raise ValueError(f"group_index must be [B] = [{mask.shape[0]}], got {tuple(group_index.shape)}")
+    if group_index.dtype.is_floating_point or group_index.dtype.is_complex or group_index.dtype == torch.bool:
+        raise ValueError(f"group_index must be an integer tensor, got {group_index.dtype}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    logprobs, behaviour = _off_mask_zeroed(mask, logprobs, behaviour_logprobs)
+    counts = mask.sum(-1)
+    log_rho = (logprobs - behaviour.detach()).sum(-1)
+    if length_normalized:
+        log_rho = log_rho / counts.clamp_min(1)
+    present = counts > 0
+    log_rho, advantage = log_rho[present], advantages[present]
+    groups, member_of = torch.unique(group_index[present], return_inverse=True)
+    no_gate = torch.zeros(0, dtype=torch.bool)
+    if not groups.numel():
+        return _output(logprobs.sum() * 0, no_gate, no_gate, torch.ones(0))
+    # log Σ_{j∈g} ρ_j as a per-group logsumexp: ρ itself can overflow float32 when log ρ is large.
+    detached = log_rho.detach()
+    peak = detached.new_full(groups.shape, -math.inf).scatter_reduce(0, member_of, detached, reduce="amax")
+    shifted = detached.new_zeros(groups.shape).index_add(0, member_of, torch.exp(detached - peak[member_of]))
+    members = torch.bincount(member_of, minlength=groups.numel()).to(detached.dtype)
+    log_cap_share = torch.log(members * (1 + eps)) - shifted.log()
+    capped = log_cap_share < peak
+    # scale·ρ_i = C_g·ρ_i/Σ_j ρ_j <= C_g, from log ρ_i - peak (exact for the largest ratio rather than a
+    # difference of two large logs); the gradient flows through ρ_i alone (scale is detached).
+    log_weight = torch.where(capped[member_of], log_rho - peak[member_of] + log_cap_share[member_of], log_rho)
+    loss = -(torch.exp(log_weight) * advantage).mean()
+    return _output(loss, capped, no_gate, torch.ones(0))
+
+
+def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL[π_θ‖π_ref] (Schulman 2020, "Approximating KL divergence"), GRPO's KL term
+    (DeepSeekMath, arXiv 2402.03300, Eq. 4): per token exp(δ) - δ - 1 with δ = log π_ref - log π_θ,
+    non-negative and unbiased on tokens sampled from π_θ.
+
+    Shapes: `logprobs`, `reference_logprobs`, `mask` `[B, T]`. Returns the mean over trainable tokens, a
+    scalar; gradients flow to `logprobs` only (the reference is frozen).
+    """
+    _check_shapes(mask, None, logprobs=logprobs, reference_logprobs=reference_logprobs)
+    logprobs, reference = _off_mask_zeroed(mask, logprobs, reference_logprobs)
+    delta = reference.detach() - logprobs
+    per_token = torch.where(mask, torch.exp(delta) - delta - 1, 0.0)
+    return per_token.sum() / mask.sum().clamp_min(1)
+
+
+def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Mean entropy over trainable tokens of softmax(logits / temperature), the policy-entropy diagnostic
+    and bonus of PPO (Schulman et al. 2017, arXiv 1707.06347); a scalar with gradient.
+
+    Shapes: `logits` `[B, T, V]`, `mask` `[B, T]` bool. Only the trainable rows are normalised (one
+    log_softmax over `[N, V]`, N = trainable tokens), so prompt, tool and padding rows cost nothing and may
+    hold anything. A -inf logit (a banned token) is allowed and contributes 0; NaN or +inf on a trainable
+    row is a ValueError. Computed in at least float32.
+    """
+    _check_temperature(temperature)
+    if logits.ndim != 3 or logits.shape[:2] != mask.shape:
+        raise ValueError(
+            f"logits must be [B, T, V] and mask [B, T], got {tuple(logits.shape)}, {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        raise ValueError("mask must be a bool tensor")
+    rows = logits[mask]
+    if torch.isnan(rows).any() or torch.isposinf(rows).any():
+        raise ValueError("logits contain NaN or +inf on trainable tokens")
+    log_p = torch.log_softmax(_scaled(rows, temperature), dim=-1)
+    # A banned token has p = 0 and log p = -inf; flooring log p keeps p·log p at 0 (and its gradient
+    # finite) instead of 0·(-inf) = NaN.
+    log_p = log_p.clamp_min(torch.finfo(log_p.dtype).min)
+    per_token = -(log_p.exp() * log_p).sum(-1)
+    return per_token.mean() if per_token.numel() else per_token.sum()
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) at `targets`, in at least float32.
+
+    Shapes: `logits` `[B, T, V]`, `targets` `[B, T]` integer ids in [0, V) → `[B, T]`. The caller aligns
+    positions (the logits at t - 1 score token t). Pass the rollout's sampling temperature: the engine's
+    behaviour log-probs (ALGORITHMS.md §2, §5) are those of the tempered distribution the tokens were drawn
+    from. Computed as z_target - logsumexp(z), z = logits / T, so the backward keeps no second
+    `[B, T, V]` tensor of log-probs.
+    """
+    _check_temperature(temperature)
+    if logits.ndim != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(
+            f"logits must be [B, T, V] and targets [B, T], got {tuple(logits.shape)}, {tuple(targets.shape)}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor, got {targets.dtype}")
+    if targets.numel() and not (targets.min() >= 0 and targets.max() < logits.shape[-1]):
+        raise ValueError(
+            f"targets must be token ids in [0, {logits.shape[-1]}), got {targets.min()}..{targets.max()}"
+        )
+    scaled = _scaled(logits, temperature)
+    return scaled.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+
+
 def _bounds(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -177,26 +392,50 @@ def _bounds(
     return sat_bounds(logprobs - behaviour, mask, clip, sat)
 
 
-def _output(loss: torch.Tensor, clipped: torch.Tensor, gated: torch.Tensor, k: torch.Tensor) -> LossOutput:
+def _output(
+    loss: torch.Tensor,
+    clipped: torch.Tensor,
+    gated: torch.Tensor,
+    k: torch.Tensor,
+    dropped: torch.Tensor | None = None,
+) -> LossOutput:
     def share(flags: torch.Tensor) -> torch.Tensor:
         return flags.float().mean() if flags.numel() else torch.zeros(())
 
     mean_k = k.detach().mean() if k.numel() else torch.ones(())
-    return LossOutput(loss, share(clipped), share(gated), mean_k)
+    masked = share(dropped) if dropped is not None else torch.zeros(())
+    return LossOutput(loss, share(clipped), share(gated), mean_k, masked)
 
 
-def _check_shapes(
-    logprobs: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor
-) -> None:
-    if logprobs.ndim != 2 or logprobs.shape != old.shape or logprobs.shape != mask.shape:
-        raise ValueError(
-            f"logprobs, old_logprobs and mask must share a [B, T] shape, got "
-            f"{tuple(logprobs.shape)}, {tuple(old.shape)}, {tuple(mask.shape)}"
-        )
+def _off_mask_zeroed(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors` with 0 off the mask: padding may hold NaN, and a NaN that reaches exp() poisons the
+    backward even where torch.where later discards it (its gradient is 0·NaN)."""
+    return tuple(torch.where(mask, tensor, 0.0) for tensor in tensors)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    # Low-precision logits lose the small differences between large values that log-probs depend on.
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def _check_temperature(temperature: float) -> None:
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+
+
+def _check_shapes(mask: torch.Tensor, advantages: torch.Tensor | None, **per_token: torch.Tensor) -> None:
+    """Every `per_token` tensor is `[B, T]` like the bool `mask`, `advantages` (when given) `[B]`, and all
+    are finite where they count: on trainable tokens (padding may hold anything)."""
+    if mask.ndim != 2 or any(tensor.shape != mask.shape for tensor in per_token.values()):
+        shapes = ", ".join(str(tuple(tensor.shape)) for tensor in (*per_token.values(), mask))
+        raise ValueError(f"{', '.join(per_token)} and mask must share a [B, T] shape, got {shapes}")
     if mask.dtype != torch.bool:
         raise ValueError("mask must be a bool tensor")
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must be [B] = [{logprobs.shape[0]}], got {tuple(advantages.shape)}")
-    for name, tensor in (("logprobs", logprobs), ("old_logprobs", old), ("advantages", advantages)):
-        if not torch.isfinite(tensor[mask] if tensor.ndim == 2 else tensor).all():
+    if advantages is not None and advantages.shape != mask.shape[:1]:
+        raise ValueError(f"advantages must be [B] = [{mask.shape[0]}], got {tuple(advantages.shape)}")
+    for name, tensor in per_token.items():
+        if not torch.isfinite(tensor[mask]).all():
             raise ValueError(f"{name} contain NaN or inf on trainable tokens")
+    if advantages is not None and not torch.isfinite(advantages).all():
+        raise ValueError("advantages contain NaN or inf")
