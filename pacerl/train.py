@@ -25,7 +25,7 @@ from agents.rollout import RolloutDriver
 from agents.tokenizer import tiny_tokenizer
 from envs import ENV_IDS, ToolEnv, ToolEnvConfig, load_tasks
 from pacerl.config import ConfigError, RunConfig, load_config, save_config
-from trainer.checkpoint import latest_checkpoint
+from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.learner import Learner
 from trainer.loop import Run, train_async, train_sync
 from trainer.pool import TrajectoryPool
@@ -61,23 +61,20 @@ def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
     return make
 
 
-def build_run(config: RunConfig, run_dir: Path) -> Run:
-    """Every part of a run, wired as `config` says (nothing runs yet)."""
-    torch.set_num_threads(config.threads)
-    random.seed(config.seed)
-    np.random.seed(config.seed)
-    torch.manual_seed(config.seed)
-    tokenizer: PreTrainedTokenizerBase
+def load_policy(config: RunConfig) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The model to train and its tokenizer: built from `model.tiny`, or loaded from `model.path`."""
     if config.model.path is None:
         tokenizer = tiny_tokenizer()
-        model = build_tiny_moe(config.model.tiny, tokenizer)
-    else:
-        try:
-            model, tokenizer = load_model(config.model.path)
-        except (FileNotFoundError, ValueError) as error:
-            raise ConfigError(f"config: model.path: {error}") from None
-    engine_model = build_twin(model)
-    engine = EmbeddedEngine(engine_model, tokenizer, config.engine)
+        return build_tiny_moe(config.model.tiny, tokenizer), tokenizer
+    try:
+        return load_model(config.model.path)
+    except (FileNotFoundError, ValueError, OSError) as error:
+        raise ConfigError(f"config: model.path: {error}") from None
+
+
+def build_run(config: RunConfig, run_dir: Path, model: Any, tokenizer: PreTrainedTokenizerBase) -> Run:
+    """Every part of a run, wired as `config` says (nothing runs yet)."""
+    engine = EmbeddedEngine(build_twin(model), tokenizer, config.engine)
     make_env = env_factory(config)
     try:
         num_experts = moe_info(model).num_experts
@@ -97,6 +94,14 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
     )
 
 
+def seed_everything(config: RunConfig) -> None:
+    """Threads and seeds of torch, numpy and python."""
+    torch.set_num_threads(config.threads)
+    random.seed(config.seed)
+    np.random.seed(config.seed)
+    torch.manual_seed(config.seed)
+
+
 def build_twin(model: Any) -> Any:
     """The engine's own copy of the trained model: generation goes on while the learner updates its
     weights, so the two cannot share parameters; weights reach the engine only by publication."""
@@ -109,39 +114,43 @@ async def train(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     """Run training to `config.loop.steps` (continuing the run directory's latest checkpoint when
     `resume`). Ctrl-C or SIGTERM saves a checkpoint and returns early."""
     run_dir = Path(config.run_dir)
-    checkpoint = latest_checkpoint(run_dir / "checkpoints") if resume else None
-    if resume and checkpoint is None:
-        raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from")
+    checkpoint = None
+    if resume:  # read and check everything before anything in the run directory is written
+        path = latest_checkpoint(run_dir / "checkpoints")
+        if path is None:
+            raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from")
+        checkpoint = load_checkpoint(path)
+    seed_everything(config)
+    model, tokenizer = load_policy(config)
+    env_factory(config)  # an unknown env or task file fails here, before the run directory is touched
     _prepare_run_dir(run_dir, fresh=not resume)
     save_config(config, run_dir / CONFIG_FILE)
-    run = build_run(config, run_dir)
+    run = build_run(config, run_dir, model, tokenizer)
     if checkpoint is not None:
         await run.restore(checkpoint)
     loop = train_sync if config.loop.mode == "sync" else train_async
     job = asyncio.ensure_future(loop(run))
-    stop = _on_interrupt(job)
-    try:
-        return await job
-    except asyncio.CancelledError:
-        if not stop.is_set():
-            raise
-        path = run.checkpoint()
-        log.warning("interrupted: checkpoint %s written; continue with --resume", path)
-        return {**run.summary(), "interrupted": True, "checkpoint": str(path)}
+    _on_interrupt(run, job)
+    summary = await job
+    if run.stopping:
+        log.warning("stopped at step %d with a checkpoint; continue with --resume %s", run.step, run_dir)
+        summary["interrupted"] = True
+    return summary
 
 
-def _on_interrupt(job: asyncio.Future[Any]) -> asyncio.Event:
-    stop = asyncio.Event()
+def _on_interrupt(run: Run, job: asyncio.Future[Any]) -> None:
+    """The first Ctrl-C (or SIGTERM) ends the run after its current step with a checkpoint; a second
+    one cancels at once."""
     loop = asyncio.get_running_loop()
 
     def interrupt() -> None:
-        stop.set()
-        job.cancel()
+        if run.stopping:
+            job.cancel()
+        run.request_stop()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(sig, interrupt)
-    return stop
 
 
 def _prepare_run_dir(run_dir: Path, *, fresh: bool) -> None:

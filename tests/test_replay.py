@@ -46,7 +46,9 @@ async def rollouts(engine_model: torch.nn.Module, prompts: list[list[int]] = PRO
             finish_reason=out.finish_reason.value,
             routed_experts=RoutedExperts.from_array(rows, num_experts=info.num_experts),
         )
-        trajectory.finish(Status.COMPLETED, reason="", reward=1.0, completed_version=0, completed_at=time.time())
+        trajectory.finish(
+            Status.COMPLETED, reason="", reward=1.0, completed_version=0, completed_at=time.time()
+        )
         trajectories.append(trajectory)
     await engine.aclose()
     return trajectories
@@ -135,18 +137,15 @@ def test_replay_validates_its_data_and_always_restores_the_model() -> None:
         before = model(input_ids=ids).logits
     replay = torch.ones(1, 4, dtype=torch.bool)
     good = torch.tensor([[0, 1], [2, 3]]).expand(1, 4, 2, 2).clone()
-    with pytest.raises(ValueError, match="layers, top_k"):
-        with routing_replay(model, good[:, :, :1], replay):
-            pass
-    with pytest.raises(ValueError, match=r"\[0, 8\)"):
-        with routing_replay(model, good + 7, replay):
-            pass
-    with pytest.raises(ValueError, match="same expert twice"):
-        with routing_replay(model, torch.zeros_like(good), replay):
-            pass
-    with pytest.raises(ValueError, match="integer"):
-        with routing_replay(model, good.float(), replay):
-            pass
+    with pytest.raises(ValueError, match="layers, top_k"), routing_replay(model, good[:, :, :1], replay):
+        pass
+    with pytest.raises(ValueError, match=r"\[0, 8\)"), routing_replay(model, good + 7, replay):
+        pass
+    twice = torch.zeros_like(good)
+    with pytest.raises(ValueError, match="same expert twice"), routing_replay(model, twice, replay):
+        pass
+    with pytest.raises(ValueError, match="integer"), routing_replay(model, good.float(), replay):
+        pass
     with pytest.raises(ValueError, match="saw 8"), routing_replay(model, good, replay):
         model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]]))
     with pytest.raises(RuntimeError, match="boom"), routing_replay(model, good, replay):

@@ -26,7 +26,7 @@ from agents.engine.protocol import Engine
 from agents.rollout import RolloutDriver
 from agents.trajectory import Trajectory
 from envs import Task
-from trainer.checkpoint import load_checkpoint, restore_rng, save_checkpoint
+from trainer.checkpoint import Checkpoint, restore_rng, save_checkpoint
 from trainer.learner import Learner, StepResult
 from trainer.metrics import MetricsWriter
 from trainer.pool import StalenessSummary, TrajectoryPool, staleness_summary
@@ -106,12 +106,14 @@ class Run:
         self.cursor = TaskCursor(tasks, config.seed)
         self.step = 0
         """Batches consumed so far."""
-        self.groups_dropped = 0
-        """Groups the driver dropped (a failed member)."""
+        self.dropped_groups: list[str] = []
+        """Ids of the groups the driver dropped (a failed member)."""
         self._running: dict[str, tuple[Task, asyncio.Task[list[Trajectory]]]] = {}
         self._saved_in_flight: dict[str, tuple[Task, list[Trajectory]]] = {}
         self._pool_changed = asyncio.Event()
         self._failure: BaseException | None = None
+        self.stopping = False
+        """Set by `request_stop`: the loop ends after the current step with a checkpoint."""
         self._rejected_seen = 0
         self._started = time.time()
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -123,7 +125,7 @@ class Run:
         """Sync mode: `batch_groups` groups played by the current weights."""
         drawn = [self.cursor.next() for _ in range(self.config.batch_groups)]
         groups = await asyncio.gather(*(self.driver.rollout_group(task, gid) for gid, task in drawn))
-        self.groups_dropped += sum(not group for group in groups)
+        self.dropped_groups += [gid for (gid, _), group in zip(drawn, groups, strict=True) if not group]
         return [group for group in groups if group]
 
     async def produce(self) -> None:
@@ -167,16 +169,19 @@ class Run:
                     self.pool.add_group(group)
                     self._pool_changed.set()
                 else:
-                    self.groups_dropped += 1
+                    self.dropped_groups.append(group_id)
 
     # -- filter ---------------------------------------------------------------------------------------
 
     async def next_batch(self) -> list[list[Trajectory]]:
-        """Async mode: wait for enough groups, then let the filter reject and draw a batch."""
+        """Async mode: wait for enough groups, then let the filter reject and draw a batch ([] when a
+        stop is requested meanwhile)."""
         while True:
             if self._failure is not None and not isinstance(self._failure, asyncio.CancelledError):
                 raise RuntimeError(f"rollout production failed: {self._failure!r}") from self._failure
             self._collect()
+            if self.stopping:
+                return []
             if len(self.pool) >= self.config.batch_groups:
                 groups = self.pool.select(
                     self.config.batch_groups, self.learner.version, self.learner.prefix_drift
@@ -213,7 +218,7 @@ class Run:
         scalars.update(
             pool_groups=float(len(self.pool)),
             in_flight_groups=float(len(self._running)),
-            dropped_groups=float(self.groups_dropped),
+            dropped_groups=float(len(self.dropped_groups)),
             elapsed_s=time.time() - self._started,
             updated=float(result.updated),
         )
@@ -236,9 +241,15 @@ class Run:
         with (self.run_dir / "batches.jsonl").open("a", encoding="utf-8") as file:
             file.write(json.dumps(line) + "\n")
 
+    def request_stop(self) -> None:
+        """Finish the current step, checkpoint and return (Ctrl-C): nothing drawn is lost."""
+        self.stopping = True
+        self._pool_changed.set()
+
     def checkpoint_due(self) -> bool:
+        """At the end, on a stop request, and every `checkpoint_every` steps."""
         every = self.config.checkpoint_every
-        return self.step >= self.config.steps or (every > 0 and self.step % every == 0)
+        return self.stopping or self.step >= self.config.steps or (every > 0 and self.step % every == 0)
 
     def checkpoint(self) -> Path:
         """Save everything a resumed run needs; runs on the loop thread between two awaits, so the
@@ -253,7 +264,7 @@ class Run:
             "cursor": self.cursor.position,
             "pool": self.pool.state_dict(),
             "in_flight": in_flight,
-            "groups_dropped": self.groups_dropped,
+            "dropped_groups": self.dropped_groups,
             "rejected_seen": self._rejected_seen,
             "driver_counts": dict(self.driver.counts),
         }
@@ -265,17 +276,17 @@ class Run:
             keep=self.config.keep_checkpoints,
         )
 
-    async def restore(self, path: Path) -> None:
-        """Continue from a checkpoint: weights (published to the engine), optimizer, cursor, pool and
-        the partial rollouts, which `produce` resumes first. Logs past the checkpoint are cut."""
-        checkpoint = load_checkpoint(path)
+    async def restore(self, checkpoint: Checkpoint) -> None:
+        """Continue from a checkpoint (`trainer.checkpoint.load_checkpoint`): weights (published to the
+        engine), optimizer, cursor, pool and the partial rollouts, which `produce` resumes first. Logs
+        past the checkpoint are cut."""
         state = checkpoint.state
         self.learner.load_state_dict(checkpoint.learner)
         restore_rng(state["rng"])
         self.step = int(state["step"])
         self.cursor.position = int(state["cursor"])
         self.pool.load_state_dict(state["pool"])
-        self.groups_dropped = int(state["groups_dropped"])
+        self.dropped_groups = list(state["dropped_groups"])
         self._rejected_seen = int(state["rejected_seen"])
         self.driver.counts.update(state["driver_counts"])
         self._saved_in_flight = {
@@ -303,7 +314,7 @@ class Run:
             "rejected": dict(self.pool.rejections),
             "skipped": dict(self.learner.counts),
             "driver": dict(self.driver.counts),
-            "groups_dropped": self.groups_dropped,
+            "dropped_groups": len(self.dropped_groups),
         }
 
 
@@ -320,7 +331,7 @@ def _truncate_after(path: Path, step: int) -> None:
 async def train_sync(run: Run) -> dict[str, Any]:
     """On-policy: generate a batch with the current weights, train, publish; repeat."""
     try:
-        while run.step < run.config.steps:
+        while run.step < run.config.steps and not run.stopping:
             groups = await run.generate_batch()  # generate
             await run.train(groups)  # train
             await run.publish()  # publish
@@ -337,8 +348,11 @@ async def train_async(run: Run) -> dict[str, Any]:
     in-flight rollouts go on under them, each new token tagged with the new version)."""
     producer = asyncio.ensure_future(run.produce())  # generate, continuously
     try:
-        while run.step < run.config.steps:
+        while run.step < run.config.steps and not run.stopping:
             groups = await run.next_batch()  # filter
+            if not groups:  # a stop was requested while waiting
+                run.checkpoint()
+                break
             result = await run.train(groups)  # train
             if result.updated and run.learner.version % run.config.sync_interval == 0:
                 await run.publish()  # publish

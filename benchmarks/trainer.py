@@ -1,0 +1,157 @@
+"""The learner's train step against a plain transformers forward+backward of the same batch, and the cost
+of R3 routing replay (trainer/learner.py, trainer/replay.py).
+
+    .venv/bin/python benchmarks/trainer.py [--out benchmarks/results/trainer.json]
+
+The batch: 16 trajectories of the tiny MoE (1.9M parameters), each a 32-token prompt and a 224-token
+model segment (256 tokens, 3,584 trained), with the routes the model itself picks recorded for every
+model token, as an engine running the same weights would.
+
+- `plain`: `model(input_ids, attention_mask)`, a masked token-mean log-likelihood loss on the same
+  tokens, backward, grad-norm clip, AdamW step: the least any RL step on this batch must do.
+- `learner`: `Learner.train_step` with SAT-GSPO (collation, log-probs at the sampling temperature,
+  the loss and its diagnostics, entropy, the step); `learner_r3` the same with routing replay on.
+
+Arms alternate within each repetition so machine noise hits them alike; figures are medians of
+`--repeats`. Targets: learner ≥ 0.9× plain tokens/s; R3 overhead ≤ 10%. The PACE selection time at pool
+sizes 1k and 10k comes from benchmarks/pool.py and is folded in here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from agents.models import TinyMoEConfig, build_tiny_moe, moe_info
+from agents.routing import RoutedExperts
+from agents.tokenizer import tiny_tokenizer
+from agents.trajectory import Status, Trajectory
+from trainer.learner import Learner, LearnerConfig
+
+PROMPT, RESPONSE, BATCH, GROUP = 32, 224, 16, 8
+
+
+def make_batch(model: torch.nn.Module, seed: int = 0) -> list[list[Trajectory]]:
+    """Random tokens with the routes `model` itself chooses for them (what an engine running the same
+    weights records), so replay and live routing load the experts alike."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, 500, (BATCH, PROMPT + RESPONSE))
+    chosen: list[torch.Tensor] = []
+    hooks = [
+        gate.register_forward_hook(lambda module, inputs, output: chosen.append(output[2]))
+        for gate in moe_info(model).gates
+    ]
+    with torch.no_grad():
+        model(input_ids=torch.from_numpy(ids))
+    for hook in hooks:
+        hook.remove()
+    # [B*T, layers, k]; the row of token p is the routing of input p - 1.
+    routes = torch.stack(chosen, 1).reshape(BATCH, PROMPT + RESPONSE, len(chosen), -1).numpy()
+    groups = []
+    for g in range(BATCH // GROUP):
+        group = []
+        for i in range(GROUP):
+            row = g * GROUP + i
+            trajectory = Trajectory.start(f"{g}/{i}", str(g), "task", ids[row, :PROMPT])
+            trajectory.append_model(
+                ids[row, PROMPT:],
+                rng.uniform(-7.0, -5.0, RESPONSE),
+                version=0,
+                started_at=0.0,
+                ended_at=0.0,
+                finish_reason="length",
+                routed_experts=RoutedExperts.from_array(routes[row, PROMPT - 1 : -1], num_experts=8),
+            )
+            trajectory.finish(
+                Status.COMPLETED, reason="", reward=float(i % 2), completed_version=0, completed_at=0.0
+            )
+            group.append(trajectory)
+        groups.append(group)
+    return groups
+
+
+def plain_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, learner: Learner, groups: Any
+) -> None:
+    batch = learner.collate([t for group in groups for t in group])  # untimed below: same tensors
+    started = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    logprobs = torch.log_softmax(logits / 0.7, -1).gather(-1, batch.targets[..., None])[..., 0]
+    loss = -(logprobs * batch.loss_mask).sum() / batch.loss_mask.sum()
+    torch.autograd.backward(loss)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    plain_step.elapsed = time.perf_counter() - started  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results/trainer.json")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = tiny_tokenizer()
+    model = build_tiny_moe(TinyMoEConfig(), tokenizer)
+    groups = make_batch(model)
+    tokens = sum(t.num_model_tokens for group in groups for t in group)
+    arms: dict[str, list[float]] = {"plain": [], "learner": [], "learner_r3": []}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    learners = {
+        "learner": Learner(
+            build_tiny_moe(TinyMoEConfig(), tokenizer),
+            LearnerConfig(lr=1e-6, temperature=0.7, routing_replay=False),
+        ),
+        "learner_r3": Learner(
+            build_tiny_moe(TinyMoEConfig(), tokenizer), LearnerConfig(lr=1e-6, temperature=0.7)
+        ),
+    }
+    for _ in range(2):  # warm-up
+        plain_step(model, optimizer, learners["learner"], groups)
+        for learner in learners.values():
+            learner.train_step(groups)
+    for _ in range(args.repeats):
+        plain_step(model, optimizer, learners["learner"], groups)
+        arms["plain"].append(plain_step.elapsed)  # type: ignore[attr-defined]
+        for name, learner in learners.items():
+            started = time.perf_counter()
+            result = learner.train_step(groups)
+            arms[name].append(time.perf_counter() - started)
+            assert result.updated, result.skipped
+    median = {name: statistics.median(times) for name, times in arms.items()}
+    report: dict[str, Any] = {
+        "batch": {
+            "trajectories": BATCH,
+            "tokens_per_trajectory": PROMPT + RESPONSE,
+            "trained_tokens": tokens,
+        },
+        "threads": args.threads,
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg()[0],
+        "step_s": median,
+        "tokens_per_s": {name: tokens / value for name, value in median.items()},
+        "learner_vs_plain": median["plain"] / median["learner"],
+        "learner_r3_vs_plain": median["plain"] / median["learner_r3"],
+        "r3_overhead": median["learner_r3"] / median["learner"] - 1,
+    }
+    pool_results = Path(args.out).with_name("pool.json")
+    if pool_results.exists():
+        report["pace_selection"] = json.loads(pool_results.read_text())
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "pace_selection"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""`pacerl train` end to end on CPU: the sync and async loops raise the reward of an SFT-warm-started tiny
+MoE on pacerl/CodeMath-v0; a run killed with SIGKILL resumes without losing or repeating a trajectory;
+bad configs and run directories get one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agents.models import TinyMoEConfig, build_tiny_moe, save_model
+from agents.tokenizer import tiny_tokenizer
+from envs import load_tasks
+from pacerl.config import ConfigError, config_from_dict, load_config
+from pacerl.train import train
+from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.metrics import read_metrics
+from trainer.sft import SFTConfig, demonstrations, sft
+
+ROOT = Path(__file__).resolve().parent.parent
+SUMS = [(3, 3), (2, 5), (7, 1), (4, 4), (6, 2), (1, 8), (5, 3), (9, 0)]
+"""The loop tests' tasks: eight one-digit sums on pacerl/Math-v0. Episodes are one short turn with no
+tool, so a step takes about half a second and the tests measure the loops, not the sandbox (the tool-
+using CodeMath run is `make demo`'s). Learning 100 sums from sparse reward takes far longer than a
+test; eight are learned within 20 steps."""
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """(model dir, task file): the tiny MoE after a short SFT on Math-v0 sums, so that sampling finds
+    the right sum now and then (about 5% of the time) and RL has something to reinforce."""
+    root = tmp_path_factory.mktemp("warm")
+    rows = [
+        {"id": f"add-{a}-{b}", "question": f"What is {a} + {b}?", "answer": str(a + b)}
+        for a in range(10)
+        for b in range(10)
+    ]
+    every = root / "sums.jsonl"
+    every.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    eight = root / "eight.jsonl"
+    eight.write_text(
+        "".join(
+            json.dumps(row) + "\n"
+            for row in rows
+            if (int(row["id"].split("-")[1]), int(row["id"].split("-")[2])) in SUMS
+        )
+    )
+    tokenizer = tiny_tokenizer()
+    model = build_tiny_moe(TinyMoEConfig(), tokenizer)
+    demos = demonstrations("pacerl/Math-v0", load_tasks(str(every)), tokenizer=tokenizer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sft(model, demos, SFTConfig(steps=30, batch_size=32, warmup_steps=10))
+    finally:
+        torch.set_num_threads(threads)
+    yield save_model(model, tokenizer, root / "model"), eight
+
+
+def small_run(warm: tuple[Path, Path], run_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    model, tasks = warm
+    base: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "model": {"path": str(model)},
+        "env": {"id": "pacerl/Math-v0", "tasks": str(tasks)},
+        "rollout": {"group_size": 8},
+        "learner": {"lr": 1e-3},
+        "loop": {"batch_groups": 4, "steps": 24},
+        "filter": {"target_groups": 4, "max_concurrent_groups": 4},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return base
+
+
+def rewards(run_dir: Path) -> list[float]:
+    return [row["reward"] for row in read_metrics(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_training_raises_the_reward(warm_model: tuple[Path, Path], tmp_path: Path, mode: str) -> None:
+    config = config_from_dict(small_run(warm_model, tmp_path / mode, loop={"mode": mode}))
+    summary = asyncio.run(train(config))
+    curve = rewards(tmp_path / mode)
+    assert summary["step"] == 24 and len(curve) == 24
+    first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
+    assert last > first + 0.15, curve
+    assert summary["version"] >= 18  # most steps updated the weights
+    metrics = [row for row in read_metrics(tmp_path / mode / "metrics.jsonl") if row["updated"]][-1]
+    for key in ("entropy", "grad_norm", "clip_fraction", "sat_gate_rate", "mismatch", "staleness/mean_gs"):
+        assert key in metrics
+    assert (tmp_path / mode / "tb").is_dir() and list((tmp_path / mode / "tb").iterdir())
+    if mode == "async":
+        rows = read_metrics(tmp_path / mode / "metrics.jsonl")
+        assert max(row["staleness/mean_staleness"] for row in rows) > 0  # it really ran off-policy
+
+
+def test_sigkill_and_resume_lose_no_trajectory_and_train_none_twice(
+    warm_model: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    config = small_run(
+        warm_model,
+        run_dir,
+        rollout={"group_size": 4},
+        loop={"steps": 10, "batch_groups": 4, "checkpoint_every": 2},
+        filter={"target_groups": 4, "max_concurrent_groups": 6},
+    )
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps(config))
+    command = [sys.executable, "-m", "pacerl", "train"]
+    first = subprocess.Popen([*command, "--config", str(config_file)], cwd=ROOT, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while time.time() < deadline and first.poll() is None:
+        latest = latest_checkpoint(run_dir / "checkpoints")
+        logged = (
+            (run_dir / "batches.jsonl").read_text().count("\n") if (run_dir / "batches.jsonl").exists() else 0
+        )
+        if latest is not None and latest.name >= "step-0000004" and logged >= 5:
+            break
+        time.sleep(0.2)
+    assert first.poll() is None, first.stderr.read() if first.stderr else ""
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    killed_at = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))  # type: ignore[arg-type]
+    running = [
+        member
+        for entry in killed_at.state["in_flight"].values()
+        for member in entry["members"]
+        if member["status"] == "running"
+    ]
+    resumed = subprocess.run([*command, "--resume", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    batches = [json.loads(line) for line in (run_dir / "batches.jsonl").read_text().splitlines()]
+    assert [b["step"] for b in batches] == list(range(1, 11))  # the killed run's extra steps were cut
+    trained = [i for b in batches for i in b["ids"]]
+    assert len(trained) == len(set(trained))  # none twice
+    final = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))  # type: ignore[arg-type]
+    state = final.state
+    assert state["step"] == 10
+    by_group: dict[str, int] = {}
+    for trajectory_id in trained + [i for b in batches for i in b["rejected"]]:
+        by_group[trajectory_id.split("/")[0]] = by_group.get(trajectory_id.split("/")[0], 0) + 1
+    pooled = (
+        {group[0]["group_id"] for group in state["pool"]["groups"]} if "groups" in state["pool"] else set()
+    )
+    pending = set(state["in_flight"]) | pooled | set(state["dropped_groups"])
+    started = {f"g{n:07d}" for n in range(state["cursor"])}
+    # Every group ever started is trained or rejected whole, or still pooled, in flight or dropped.
+    assert {g for g, count in by_group.items() if count == 4} | pending == started
+    assert not set(by_group) & pending
+    assert all(count == 4 for count in by_group.values())
+    # Records caught mid-episode by the checkpoint were resumed under their ids, not restarted.
+    assert state["driver_counts"].get("resumed_from_checkpoint", 0) >= len(running) > 0
+
+
+def test_bad_configs_and_run_dirs_get_one_line_errors(tmp_path: Path, warm_model: tuple[Path, Path]) -> None:
+    with pytest.raises(ConfigError, match=r"unknown key loop\.stepz"):
+        load_config(None, ["loop.stepz=3"])
+    with pytest.raises(ConfigError, match=r"loop\.steps"):
+        load_config(None, ["loop.steps=many"])
+    with pytest.raises(ConfigError, match=r"learner\.temperature"):
+        load_config(None, ["learner.temperature=1.0"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[loop\nsteps = 3")
+    with pytest.raises(ConfigError, match="does not parse"):
+        load_config(bad)
+
+    def pacerl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pacerl", "train", *args], cwd=ROOT, capture_output=True, text=True
+        )
+
+    result = pacerl("model.path=/nonexistent/model", f"run_dir={tmp_path / 'r1'}")
+    assert result.returncode != 0 and "model.path" in result.stderr and len(result.stderr.splitlines()) == 1
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    if os.geteuid() != 0:  # root writes anywhere; the check is for everyone else
+        result = pacerl(f"run_dir={locked / 'run'}")
+        assert result.returncode != 0 and "not writable" in result.stderr
+    result = pacerl("--resume", str(tmp_path / "nowhere"))
+    assert result.returncode != 0 and "no config.json" in result.stderr
+    run_dir = tmp_path / "corrupt"
+    (run_dir / "checkpoints" / "step-0000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step-0000002")
+    (run_dir / "checkpoints" / "step-0000002" / "state.json").write_text("{not json")
+    (run_dir / "config.json").write_text(json.dumps({"model": {"path": str(warm_model[0])}}))
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    result = pacerl("--resume", str(run_dir))
+    assert result.returncode != 0 and "unreadable" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert sorted(p.name for p in run_dir.rglob("*")) == before  # nothing written over the damaged run

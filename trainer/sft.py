@@ -1,0 +1,373 @@
+"""Supervised warm start on generated tool-use demonstrations (LEARNABILITY.md's SFT recipe).
+
+    demos = demonstrations("pacerl/CodeMath-v0", load_tasks("codemath-train"))
+    losses = sft(model, demos, SFTConfig(steps=70))
+
+A demonstration is tokenized exactly as the rollout driver (`agents.rollout.RolloutDriver`) records the
+same episode: the prompt is the rendered first turn with its generation prompt; each assistant turn is
+what the model would generate (the content and the eos token, as one piece); each tool turn is the text
+the template renders between that assistant message and the next generation prompt, tokenized once.
+So the tokens a model is trained on are the tokens it later generates and is trained on by RL
+(LEARNABILITY.md, pitfall 1: a whole-conversation tokenization can merge across the boundaries).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.nn import functional
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from envs import Message, Task, ToolEnv, ToolEnvConfig, get_tool
+from envs.code_math import CodeMathEnv
+from envs.math import MathEnv
+from envs.retriever import BM25Index
+from envs.search import SearchEnv
+from envs.tasks import DATA_DIR
+from envs.tools.search import format_documents
+
+IGNORE_INDEX = -100
+"""Label of a token the loss skips (torch's cross-entropy default)."""
+
+Style = Literal["clean", "teacher"]
+
+_ENVS: dict[str, type[ToolEnv]] = {
+    "pacerl/CodeMath-v0": CodeMathEnv,
+    "pacerl/Math-v0": MathEnv,
+    "pacerl/Search-v0": SearchEnv,
+}
+_ARITHMETIC_RE = re.compile(r"^What is ([0-9][0-9 +*()-]*)\?$")
+_SUBJECT_RE = re.compile(r"was (\w+) first recorded|described (\w+)\?")
+TEACHER_DIRECT_P = 0.8
+"""Chance that the "teacher" answers an easy problem directly instead of calling the tool."""
+
+
+@dataclass(frozen=True)
+class Demonstration:
+    """One episode as the rollout driver would record it."""
+
+    tokens: tuple[int, ...]
+    """Prompt, generated and tool-turn tokens, in order."""
+    loss_mask: tuple[bool, ...]
+    """True on the tokens the model generates (each assistant turn and its closing eos token)."""
+    task_id: str
+    """The task the episode solves."""
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.loss_mask):
+            raise ValueError(f"{len(self.tokens)} tokens but {len(self.loss_mask)} loss-mask entries")
+        # The first token is never predicted, so a trainable demonstration needs a masked token after it.
+        if not any(self.loss_mask[1:]):
+            raise ValueError(f"demonstration {self.task_id!r} has no trained token after the first")
+
+
+def render_demonstration(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> tuple[list[int], list[bool]]:
+    """`(tokens, loss_mask)` of a conversation, segment by segment as the rollout driver records it.
+
+    `messages`: the env's first observation (system and user), then assistant messages, each but the
+    last followed by the env's tool messages; the last is the final answer. `tools`: the schemas the
+    driver renders into the system turn (None when `tool_schemas_in_prompt` is off).
+    """
+    eos = tokenizer.eos_token
+    if not isinstance(eos, str) or not eos:
+        raise ValueError("the tokenizer needs an eos token (the end of a generated turn)")
+    tools = list(tools) if tools else None
+    # The driver's probe: what the template writes after an assistant message's content. A model that
+    # stops on eos has emitted the eos token itself; the rest of the tail opens the next tool turn.
+    probe = _render(tokenizer, [{"role": "assistant", "content": "\x00"}], None, generation_prompt=False)
+    tail = probe[probe.index("\x00") + 1 :]
+    if not tail.startswith(eos):
+        raise ValueError(f"the chat template closes an assistant message with {tail!r}, not with {eos!r}")
+    closing = tail.removeprefix(eos)
+
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None or first == 0:
+        raise ValueError("a demonstration needs prompt messages followed by an assistant message")
+    if messages[-1]["role"] != "assistant":
+        raise ValueError("a demonstration ends with the final assistant message (the answer)")
+    history = list(messages[:first])
+    tokens = _encode(tokenizer, _render(tokenizer, history, tools, generation_prompt=True))
+    mask = [False] * len(tokens)
+    index = first
+    while index < len(messages):
+        assistant = messages[index]
+        generated = _encode(tokenizer, assistant["content"] + eos)
+        decoded = tokenizer.decode(generated, skip_special_tokens=False)
+        if decoded != assistant["content"] + eos:  # the driver hands the env the decoded text
+            raise ValueError(f"assistant message {index} does not survive encode/decode: {decoded!r}")
+        tokens += generated
+        mask += [True] * len(generated)
+        history.append(assistant)
+        following = index + 1
+        while following < len(messages) and messages[following]["role"] != "assistant":
+            following += 1
+        observation = list(messages[index + 1 : following])
+        if following < len(messages) and not observation:
+            raise ValueError(f"assistant message {index} is not the last, yet no tool turn follows it")
+        if observation:
+            before = _render(tokenizer, history, tools, generation_prompt=False)
+            after = _render(tokenizer, [*history, *observation], tools, generation_prompt=True)
+            if not after.startswith(before):
+                raise ValueError("the chat template is not prefix-stable")
+            tool_turn = _encode(tokenizer, closing + after[len(before) :])
+            tokens += tool_turn
+            mask += [False] * len(tool_turn)
+            history += observation
+        index = following
+    return tokens, mask
+
+
+def demonstrations(
+    env_id: str,
+    tasks: Sequence[Task],
+    *,
+    seed: int = 0,
+    style: Style = "clean",
+    system_prompt: str | None = "",
+    tool_schemas: bool = False,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> list[Demonstration]:
+    """One demonstration per task of `env_id`, rendered as the env and the driver would with
+    `ToolEnvConfig(system_prompt=system_prompt)` (None: the env's own prompt, "": none) and
+    `RolloutConfig(tool_schemas_in_prompt=tool_schemas)`.
+
+    - `pacerl/CodeMath-v0`: a python call `print(EXPR)`, its output, then `\\boxed{N}`.
+      `style="teacher"` opens LEARNABILITY.md's behaviour gap: on easy problems (an operand of at most
+      two digits) the demonstration answers directly, correctly, with probability 0.8. A student
+      copies the habit but cannot do the arithmetic, so RL has a tool-use behaviour to learn.
+    - `pacerl/Math-v0`: `\\boxed{N}` directly.
+    - `pacerl/Search-v0`: a search for the question's subject, the passages the shipped BM25 corpus
+      returns for it (as the search tool formats them), then `<answer> A </answer>`.
+
+    Deterministic: a task's demonstration depends only on `seed` and the task (not on its neighbours).
+    `tokenizer` defaults to `agents.tokenizer.tiny_tokenizer()`.
+    """
+    if env_id not in _ENVS:
+        raise ValueError(f"no demonstrations for {env_id!r}; known: {', '.join(_ENVS)}")
+    if style not in ("clean", "teacher"):
+        raise ValueError(f"style must be clean or teacher, got {style!r}")
+    if style == "teacher" and env_id != "pacerl/CodeMath-v0":
+        raise ValueError("the teacher style is defined for pacerl/CodeMath-v0 only")
+    if not tasks:
+        raise ValueError("no tasks to demonstrate")
+    if tokenizer is None:
+        from agents.tokenizer import tiny_tokenizer  # late: trains the tokenizer on first use
+
+        tokenizer = tiny_tokenizer()
+    env = _ENVS[env_id](tasks=list(tasks), config=ToolEnvConfig(system_prompt=system_prompt))
+    try:
+        tools = (env.tool_schemas() if tool_schemas else None) or None
+        demos = []
+        for task in tasks:
+            # A string seed hashes stably (sha512), so the draw is per task, not per position in `tasks`.
+            rng = random.Random(f"{seed}/{task.id}")
+            if env_id == "pacerl/CodeMath-v0":
+                turns = code_math_turns(
+                    task, direct=style == "teacher" and _teacher_answers_directly(task, rng)
+                )
+            elif env_id == "pacerl/Math-v0":
+                turns = [{"role": "assistant", "content": f"\\boxed{{{task.answer}}}"}]
+            else:
+                turns = search_turns(task)
+            tokens, mask = render_demonstration(tokenizer, [*env.initial_messages(task), *turns], tools)
+            demos.append(Demonstration(tuple(tokens), tuple(mask), task.id))
+    finally:
+        env.close()
+    return demos
+
+
+def code_math_turns(task: Task, *, direct: bool = False) -> list[Message]:
+    """The assistant and tool turns of a CodeMath demonstration: `print(EXPR)` through the python tool
+    (whose output is the answer) and `\\boxed{N}`; `direct`: only the boxed answer."""
+    match = _ARITHMETIC_RE.match(task.question)
+    if match is None or "**" in match.group(1):
+        raise ValueError(f"task {task.id!r} is not a 'What is EXPR?' arithmetic question: {task.question!r}")
+    answer: Message = {"role": "assistant", "content": f"\\boxed{{{task.answer}}}"}
+    if direct:
+        return [answer]
+    call = {"name": "python", "arguments": {"code": f"print({match.group(1)})"}}
+    return [
+        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+        {"role": "tool", "name": "python", "content": task.answer},
+        answer,
+    ]
+
+
+def search_turns(task: Task) -> list[Message]:
+    """The assistant and tool turns of a Search demonstration: a search for the question's subject
+    (the whole question if it names none), the shipped corpus's passages, `<answer> A </answer>`."""
+    match = _SUBJECT_RE.search(task.question)
+    query = next(group for group in match.groups() if group) if match else task.question
+    call = {"name": "search", "arguments": {"query": query}}
+    (hits,) = _search_index().search([query], _search_topk())
+    return [
+        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+        {"role": "tool", "name": "search", "content": format_documents([doc for doc, _ in hits])},
+        {"role": "assistant", "content": f"<answer> {task.answer} </answer>"},
+    ]
+
+
+def is_easy(task: Task) -> bool:
+    """LEARNABILITY.md's "easy" arithmetic problem: one of its operands has at most two digits."""
+    return any(len(operand) <= 2 for operand in re.findall(r"\d+", task.question))
+
+
+def _teacher_answers_directly(task: Task, rng: random.Random) -> bool:
+    return is_easy(task) and rng.random() < TEACHER_DIRECT_P
+
+
+@functools.cache
+def _search_index() -> BM25Index:
+    """The shipped corpus, as `pacerl serve retriever` serves it by default."""
+    return BM25Index.from_jsonl(DATA_DIR / "search-corpus.jsonl")
+
+
+def _search_topk() -> int:
+    """The search tool's default `topk` (the demonstrations' calls leave it out)."""
+    properties = get_tool("search").schema()["function"]["parameters"]["properties"]
+    return int(properties["topk"]["default"])
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    tools: list[dict[str, Any]] | None,
+    *,
+    generation_prompt: bool,
+) -> str:
+    schemas: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools else None
+    text = tokenizer.apply_chat_template(
+        list(messages), tools=schemas, tokenize=False, add_generation_prompt=generation_prompt
+    )
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) gave a {type(text).__name__}")
+    return text
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+# -- training ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Supervised fine-tuning on demonstrations. The defaults are LEARNABILITY.md's recipe: about 70 steps
+    leave the tiny MoE at 30–50% greedy accuracy on CodeMath, the RL warm start it recommends."""
+
+    lr: float = 2e-3
+    """Peak AdamW learning rate (betas 0.9/0.99)."""
+    warmup_steps: int = 50
+    """Steps of linear warm-up from lr/warmup_steps to lr; constant afterwards (0: none)."""
+    batch_size: int = 64
+    """Demonstrations per step, drawn without replacement within each pass over the set."""
+    steps: int = 70
+    """Optimizer steps (`on_step` may stop earlier)."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Largest global gradient norm (0 disables clipping)."""
+    seed: int = 0
+    """Seed of the batch order."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0 or self.batch_size < 1 or self.steps < 1:
+            raise ValueError("warmup_steps >= 0, batch_size >= 1 and steps >= 1 are required")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("weight_decay and grad_clip must be >= 0")
+
+
+def sft(
+    model: PreTrainedModel,
+    demos: Sequence[Demonstration],
+    config: SFTConfig | None = None,
+    *,
+    on_step: Callable[[int, float], bool] | None = None,
+) -> list[float]:
+    """Train `model` in place on `demos`: the mean next-token cross-entropy over the masked (generated)
+    tokens of each right-padded batch. Returns the per-step losses.
+
+    `on_step(step, loss)` runs after each update (`step` counts from 0); returning True stops training.
+    The model is in train mode during and in eval mode after, also on an error. Torch's thread count is
+    the caller's.
+    """
+    config = config or SFTConfig()
+    if not demos:
+        raise ValueError("no demonstrations to train on")
+    pad_id = model.config.pad_token_id
+    if pad_id is None:
+        raise ValueError("the model's config has no pad_token_id")
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, betas=(0.9, 0.99), weight_decay=config.weight_decay
+    )
+    warmup = config.warmup_steps
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+    )
+    batches = _batches(len(demos), config.batch_size, generator)
+    losses: list[float] = []
+    model.train(True)
+    try:
+        for step in range(config.steps):
+            input_ids, labels = _collate([demos[i] for i in next(batches)], int(pad_id))
+            # No attention mask: with right padding a causal model's real tokens never see the padding
+            # after them, so their logits are the same, and SDPA's unmasked causal path is ~15% faster.
+            logits = model(input_ids=input_ids.to(device), use_cache=False).logits
+            # Position t predicts token t+1; the mean runs over the masked targets of the whole batch.
+            loss = functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(),
+                labels[:, 1:].flatten().to(device),
+                ignore_index=IGNORE_INDEX,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            torch.autograd.backward(loss)  # Tensor.backward is untyped in torch's stubs
+            if config.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            schedule.step()
+            losses.append(float(loss.detach()))
+            if on_step is not None and on_step(step, losses[-1]):
+                break
+    finally:
+        model.train(False)  # eval(), which transformers leaves untyped
+    return losses
+
+
+def _batches(count: int, batch_size: int, generator: torch.Generator) -> Iterator[list[int]]:
+    """Indices of successive batches: passes over a fresh permutation each, joined across passes."""
+    pending: list[int] = []
+    while True:
+        while len(pending) < batch_size:
+            pending += torch.randperm(count, generator=generator).tolist()
+        yield pending[:batch_size]
+        pending = pending[batch_size:]
+
+
+def _collate(batch: Sequence[Demonstration], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded `(input_ids, labels)`, each `[batch, longest]`; labels are IGNORE_INDEX off the loss
+    mask and on padding. Right padding keeps each token's position id what it is at generation time."""
+    width = max(len(demo.tokens) for demo in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+    for row, demo in enumerate(batch):
+        tokens = torch.tensor(demo.tokens, dtype=torch.long)
+        mask = torch.tensor(demo.loss_mask, dtype=torch.bool)
+        input_ids[row, : len(tokens)] = tokens
+        labels[row, : len(tokens)] = torch.where(mask, tokens, IGNORE_INDEX)
+    return input_ids, labels
