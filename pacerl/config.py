@@ -15,12 +15,13 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 
 from agents.engine.embedded import EmbeddedEngineConfig
 from agents.engine.protocol import SamplingParams
+from agents.engine.sglang import SGLangOptions
 from agents.models import TinyMoEConfig
 from agents.rollout import RolloutConfig
 from trainer.learner import LearnerConfig
@@ -89,8 +90,13 @@ class RunConfig:
     """The environment and its tasks."""
     rollout: RolloutConfig = field(default_factory=_default_rollout)
     """How episodes are sampled (group size, sampling, context budget)."""
+    engine_backend: Literal["embedded", "sglang"] = "embedded"
+    """Where rollouts are generated: the in-process engine, or an SGLang server (see `sglang`)."""
     engine: EmbeddedEngineConfig = field(default_factory=EmbeddedEngineConfig)
     """The embedded inference engine."""
+    sglang: SGLangOptions = field(default_factory=SGLangOptions)
+    """The SGLang server and weight publication to it; `weights_dir` defaults to `run_dir/weights` and
+    `base_model_dir` to `model.path` (the server must read both under the same paths)."""
     learner: LearnerConfig = field(default_factory=_default_learner)
     """Loss, advantages, optimizer, R3."""
     filter: FilterConfig = field(default_factory=FilterConfig)
@@ -99,6 +105,10 @@ class RunConfig:
     """Sync or async, steps, batch size, publication interval, checkpoints."""
 
     def __post_init__(self) -> None:
+        if self.engine_backend not in ("embedded", "sglang"):
+            raise ValueError(f"engine_backend must be embedded or sglang, got {self.engine_backend!r}")
+        if self.engine_backend == "sglang" and self.model.path is None:
+            raise ValueError("engine_backend=sglang needs model.path: the server loads the same checkpoint")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         sampled = self.rollout.sampling.temperature

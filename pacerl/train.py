@@ -20,6 +20,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from agents.engine.embedded import EmbeddedEngine
+from agents.engine.protocol import Engine
+from agents.engine.sglang import SGLangEngine
 from agents.models import build_tiny_moe, load_model, moe_info
 from agents.rollout import RolloutDriver
 from agents.tokenizer import tiny_tokenizer
@@ -74,7 +76,16 @@ def load_policy(config: RunConfig) -> tuple[Any, PreTrainedTokenizerBase]:
 
 def build_run(config: RunConfig, run_dir: Path, model: Any, tokenizer: PreTrainedTokenizerBase) -> Run:
     """Every part of a run, wired as `config` says (nothing runs yet)."""
-    engine = EmbeddedEngine(build_twin(model), tokenizer, config.engine)
+    engine: Engine
+    if config.engine_backend == "sglang":
+        options = replace(
+            config.sglang,
+            weights_dir=config.sglang.weights_dir or str(run_dir / "weights"),
+            base_model_dir=config.sglang.base_model_dir or config.model.path,
+        )
+        engine = SGLangEngine(options)
+    else:
+        engine = EmbeddedEngine(build_twin(model), tokenizer, config.engine)
     make_env = env_factory(config)
     try:
         num_experts = moe_info(model).num_experts

@@ -17,8 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import ThreadServer
 
-from agents.models import TinyMoEConfig, build_tiny_moe, save_model
+from agents.engine import EmbeddedEngine
+from agents.engine.sglang_standin import create_standin_app
+from agents.models import TinyMoEConfig, build_tiny_moe, load_model, save_model
 from agents.tokenizer import tiny_tokenizer
 from envs import load_tasks
 from pacerl.config import ConfigError, config_from_dict, load_config
@@ -67,7 +70,7 @@ def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
     yield save_model(model, tokenizer, root / "model"), eight
 
 
-def small_run(warm: tuple[Path, Path], run_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+def small_run(warm: tuple[Path, Path], run_dir: Path, **sections: Any) -> dict[str, Any]:
     model, tasks = warm
     base: dict[str, Any] = {
         "run_dir": str(run_dir),
@@ -79,7 +82,7 @@ def small_run(warm: tuple[Path, Path], run_dir: Path, **sections: dict[str, Any]
         "filter": {"target_groups": 4, "max_concurrent_groups": 4},
     }
     for name, values in sections.items():
-        base[name] = {**base.get(name, {}), **values}
+        base[name] = {**base.get(name, {}), **values} if isinstance(values, dict) else values
     return base
 
 
@@ -99,6 +102,7 @@ def test_training_raises_the_reward(warm_model: tuple[Path, Path], tmp_path: Pat
     metrics = [row for row in read_metrics(tmp_path / mode / "metrics.jsonl") if row["updated"]][-1]
     for key in ("entropy", "grad_norm", "clip_fraction", "sat_gate_rate", "mismatch", "staleness/mean_gs"):
         assert key in metrics
+    assert metrics["r3_coverage"] == 1.0  # the engine recorded a route for every generated token
     assert (tmp_path / mode / "tb").is_dir() and list((tmp_path / mode / "tb").iterdir())
     if mode == "async":
         rows = read_metrics(tmp_path / mode / "metrics.jsonl")
@@ -200,3 +204,33 @@ def test_bad_configs_and_run_dirs_get_one_line_errors(tmp_path: Path, warm_model
     result = pacerl("--resume", str(run_dir))
     assert result.returncode != 0 and "unreadable" in result.stderr and len(result.stderr.splitlines()) == 1
     assert sorted(p.name for p in run_dir.rglob("*")) == before  # nothing written over the damaged run
+
+
+def test_training_against_an_sglang_server_publishes_through_its_update_endpoint(
+    warm_model: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The SGLang path of `pacerl train`: rollouts over HTTP (the stand-in that speaks SGLang's
+    protocol, see agents/engine/sglang_standin.py), weights published as safetensors and loaded by
+    `/update_weights_from_disk`, routes returned for R3."""
+    model, tokenizer = load_model(warm_model[0])
+    server_engine = EmbeddedEngine(model, tokenizer)
+    app = create_standin_app(server_engine, model_path=str(warm_model[0]), weight_version="0")
+    with ThreadServer(app) as server:
+        config = config_from_dict(
+            small_run(
+                warm_model,
+                tmp_path / "run",
+                engine_backend="sglang",
+                sglang={"url": server.url},
+                loop={"steps": 6, "mode": "async", "sync_interval": 2},
+            )
+        )
+        summary = asyncio.run(train(config))
+        served_version = server_engine.version
+    assert summary["step"] == 6 and summary["version"] >= 4
+    assert served_version == summary["version"] - summary["version"] % 2  # published every 2 updates
+    assert sorted(p.name for p in (tmp_path / "run" / "weights").iterdir()) == [f"version-{served_version}"]
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    updated = [row for row in rows if row["updated"]]
+    assert updated and all(row["r3_coverage"] == 1.0 for row in updated)  # every trained token replayed
+    assert max(row["staleness/mean_staleness"] for row in rows) > 0

@@ -55,6 +55,7 @@ _WEIGHTED = (
     "mismatch",
     "mismatch_fresh",
     "routing_disagreement",
+    "r3_coverage",
     "kl",
 )
 """Per-micro-batch figures, averaged over the step weighted by trainable tokens."""
@@ -157,7 +158,7 @@ class StepResult:
     """Why no update happened ("" when updated)."""
     metrics: dict[str, float]
     """Per-step figures: reward, accuracy, entropy, grad_norm, clip_fraction, sat_gate_rate,
-    sat_contraction, mismatch, routing_disagreement, tokens, tokens_per_s, ..."""
+    sat_contraction, mismatch, routing_disagreement, r3_coverage, tokens, tokens_per_s, ..."""
     trajectory_ids: tuple[str, ...]
     """Every trajectory of the batch (trained on or skipped: none of them will be seen again)."""
 
@@ -318,6 +319,7 @@ class Learner:
                 "mismatch": float(log_ratio.abs().mean()),
                 "mismatch_fresh": float(log_ratio[fresh].abs().mean()) if bool(fresh.any()) else 0.0,
                 "routing_disagreement": stats.disagreement if stats is not None else 0.0,
+                "r3_coverage": _replayed_share(batch, chunk_tokens) if stats is not None else 0.0,
                 "kl": float(kl) if kl is not None else 0.0,
             }
         for name in _WEIGHTED:
@@ -448,6 +450,14 @@ class Learner:
         for parameter in reference.parameters():
             parameter.requires_grad_(False)
         return reference
+
+
+def _replayed_share(batch: TokenBatch, tokens: int) -> float:
+    """Share of trained tokens whose producing forward replayed a recorded route."""
+    if batch.replay is None or not tokens:
+        return 0.0
+    # Input position t replays the route that produced token t + 1, the target at index t.
+    return float((batch.replay[:, :-1] & batch.loss_mask).sum()) / tokens
 
 
 def _mean(values: Sequence[float]) -> float:
