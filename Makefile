@@ -32,6 +32,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/retriever.py
 	$(BIN)/python benchmarks/engine.py
 	$(BIN)/python benchmarks/rollout.py
+	$(BIN)/python benchmarks/pool.py
+	$(BIN)/python benchmarks/trainer.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
