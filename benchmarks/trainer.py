@@ -13,13 +13,18 @@ model token, as an engine running the same weights would.
   the loss and its diagnostics, entropy, the step); `learner_r3` the same with routing replay on.
 
 Arms alternate within each repetition so machine noise hits them alike; figures are medians of
-`--repeats`. Targets: learner ≥ 0.9× plain tokens/s; R3 overhead ≤ 10%. The PACE selection time at pool
+`--repeats`. Targets: learner ≥ 0.9× plain tokens/s; R3 overhead ≤ 10%. `mismatch`: the training–
+inference mismatch (mean and max |log π_θ − log μ| over generated tokens) with and without R3, and the
+share of routes where the trainer's live router disagrees with the engine's, for engines whose routers
+are perturbed by increasing noise. The PACE selection time at pool
 sizes 1k and 10k comes from benchmarks/pool.py and is folded in here.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import copy
 import json
 import os
 import statistics
@@ -33,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from agents.engine import EmbeddedEngine, EmbeddedEngineConfig, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe, moe_info
 from agents.routing import RoutedExperts
 from agents.tokenizer import tiny_tokenizer
@@ -96,6 +102,55 @@ def plain_step(
     plain_step.elapsed = time.perf_counter() - started  # type: ignore[attr-defined]
 
 
+async def engine_rollouts(engine_model: torch.nn.Module, prompts: list[list[int]]) -> list[Trajectory]:
+    """One sampled generation per prompt with its routes, recorded as the rollout driver does."""
+    engine = EmbeddedEngine(engine_model, config=EmbeddedEngineConfig(seed=1))
+    sampling = SamplingParams(max_new_tokens=48, temperature=1.0)
+    outputs = await asyncio.gather(
+        *(engine.generate(p, sampling, return_routed_experts=True) for p in prompts)
+    )
+    await engine.aclose()
+    trajectories = []
+    for index, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+        assert out.routed_experts is not None
+        trajectory = Trajectory.start(f"m{index}", "m", "task", prompt)
+        rows = out.routed_experts[len(out.routed_experts) - len(out.tokens) :]
+        trajectory.append_model(
+            out.tokens,
+            out.logprobs,
+            version=0,
+            started_at=0.0,
+            ended_at=0.0,
+            finish_reason=out.finish_reason.value,
+            routed_experts=RoutedExperts.from_array(rows, num_experts=8),
+        )
+        trajectory.finish(Status.COMPLETED, reason="", reward=0.0, completed_version=0, completed_at=0.0)
+        trajectories.append(trajectory)
+    return trajectories
+
+
+def mismatch(tokenizer: Any) -> list[dict[str, float]]:
+    """Training–inference mismatch with and without R3 when the rollout engine's routers differ from the
+    trainer's by Gaussian noise of `noise` × the router weights' std (standing in for kernels or
+    precision that flip top-k choices): 64 sampled generations of 48 tokens each."""
+    trainer_model = build_tiny_moe(TinyMoEConfig(), tokenizer)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, 16).tolist() for _ in range(64)]
+    rows = []
+    for noise in (0.0, 0.05, 0.2, 0.5):
+        engine_model = copy.deepcopy(trainer_model)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for gate in moe_info(engine_model).gates:
+                gate.weight.add_(
+                    torch.randn(gate.weight.shape, generator=generator) * noise * gate.weight.std()
+                )
+        trajectories = asyncio.run(engine_rollouts(engine_model, prompts))
+        learner = Learner(trainer_model, LearnerConfig(temperature=1.0))
+        rows.append({"router_noise": noise, **learner.mismatch(trajectories)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/trainer.json")
@@ -146,6 +201,7 @@ def main() -> None:
         "learner_r3_vs_plain": median["plain"] / median["learner_r3"],
         "r3_overhead": median["learner_r3"] / median["learner"] - 1,
     }
+    report["mismatch"] = mismatch(tokenizer)
     pool_results = Path(args.out).with_name("pool.json")
     if pool_results.exists():
         report["pace_selection"] = json.loads(pool_results.read_text())

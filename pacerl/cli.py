@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pacerl.evaluate import add_eval_parser
+from pacerl.plots import add_plot_parser
 from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
 
 
@@ -113,6 +115,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return main_train(args.config, args.overrides, args.resume)
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    """`pacerl sft --out DIR [--config FILE] [key=value ...]`."""
+    from pacerl.train import main_sft
+
+    return main_sft(args.config, args.overrides, args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pacerl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
     train.add_argument("overrides", nargs="*", help="key=value settings, e.g. loop.steps=50 learner.lr=3e-5")
     train.set_defaults(handler=cmd_train)
+
+    sft = commands.add_parser("sft", help="warm-start a model on generated tool-use demonstrations")
+    sft.add_argument("--out", required=True, help="directory for the warm-started model")
+    sft.add_argument("--config", help="a run config (its model, env and sft sections are used)")
+    sft.add_argument(
+        "overrides", nargs="*", help="key=value settings, e.g. sft.steps=100 env.id=pacerl/Math-v0"
+    )
+    sft.set_defaults(handler=cmd_sft)
+
+    add_eval_parser(commands)
+    add_plot_parser(commands)
 
     sandbox = commands.add_parser("sandbox", help="run code in a sandbox").add_subparsers(
         dest="sandbox_command", required=True

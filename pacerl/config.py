@@ -22,6 +22,7 @@ import pydantic
 from agents.engine.embedded import EmbeddedEngineConfig
 from agents.engine.protocol import SamplingParams
 from agents.engine.sglang import SGLangOptions
+from agents.evaluation import EvalConfig
 from agents.models import TinyMoEConfig
 from agents.rollout import RolloutConfig
 from trainer.learner import LearnerConfig
@@ -58,10 +59,64 @@ class EnvSpec:
     """Assistant messages per episode."""
     max_tool_calls: int = 2
     """Tool calls per episode."""
+    retriever_url: str | None = None
+    """pacerl/Search-v0: the Search-R1 `/retrieve` server; None serves BM25 over the shipped corpus
+    in process for the run."""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.max_tool_calls < 0:
             raise ValueError("max_turns must be >= 1 and max_tool_calls >= 0")
+
+
+@dataclass(frozen=True)
+class WarmStartSpec:
+    """Supervised warm start on generated demonstrations of the env (`trainer.sft`), so that RL starts
+    from a policy that knows the tool format and sometimes succeeds (LEARNABILITY.md)."""
+
+    when: Literal["fresh", "always", "never"] = "fresh"
+    """fresh: only for a model built from `model.tiny` (a loaded checkpoint is taken as warm already);
+    always; never."""
+    steps: int = 75
+    """Optimizer steps; LEARNABILITY.md's skill gap: stop while greedy accuracy is 30-50%."""
+    style: Literal["clean", "teacher"] = "clean"
+    """Demonstrations: clean tool use, or the teacher's behaviour gap (CodeMath only)."""
+    batch_size: int = 64
+    """Demonstrations per step."""
+    lr: float = 2e-3
+    """Peak learning rate (linear warm-up over the first 50 steps)."""
+    tasks: str | None = None
+    """Tasks to demonstrate; None: the env's training tasks."""
+
+    def __post_init__(self) -> None:
+        if self.when not in ("fresh", "always", "never") or self.style not in ("clean", "teacher"):
+            raise ValueError("sft.when must be fresh, always or never and sft.style clean or teacher")
+        if self.steps < 0 or self.batch_size < 1 or not self.lr > 0:
+            raise ValueError("sft.steps must be >= 0, sft.batch_size >= 1 and sft.lr > 0")
+
+
+def _greedy_eval() -> EvalConfig:
+    return EvalConfig(samples=1, temperature=0.0, max_tasks=200)
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """Evaluation during training: the model is scored on held-out tasks by a second engine holding a
+    snapshot of the weights, in the background, labelled with the policy version it evaluated."""
+
+    every: int = 0
+    """Steps between evaluations (0: none during training)."""
+    at_start: bool = True
+    """Evaluate before the first step (after the warm start)."""
+    at_end: bool = True
+    """Evaluate after the last step (awaited: the run's final figure)."""
+    tasks: str | None = None
+    """Held-out tasks; None: the env's shipped validation set."""
+    settings: EvalConfig = field(default_factory=_greedy_eval)
+    """How episodes are sampled and scored (default: greedy, one sample, the first 200 tasks)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"evaluation.every must be >= 0, got {self.every}")
 
 
 def _default_rollout() -> RolloutConfig:
@@ -88,6 +143,8 @@ class RunConfig:
     """The model."""
     env: EnvSpec = field(default_factory=EnvSpec)
     """The environment and its tasks."""
+    sft: WarmStartSpec = field(default_factory=WarmStartSpec)
+    """The supervised warm start before RL."""
     rollout: RolloutConfig = field(default_factory=_default_rollout)
     """How episodes are sampled (group size, sampling, context budget)."""
     engine_backend: Literal["embedded", "sglang"] = "embedded"
@@ -103,6 +160,8 @@ class RunConfig:
     """The pool's staleness filter and rollout admission."""
     loop: LoopConfig = field(default_factory=LoopConfig)
     """Sync or async, steps, batch size, publication interval, checkpoints."""
+    evaluation: EvalSpec = field(default_factory=EvalSpec)
+    """Evaluation on held-out tasks during and after training."""
 
     def __post_init__(self) -> None:
         if self.engine_backend not in ("embedded", "sglang"):

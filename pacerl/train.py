@@ -9,7 +9,8 @@ import contextlib
 import logging
 import random
 import signal
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,20 +18,25 @@ from typing import Any
 import gymnasium
 import numpy as np
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import PreTrainedTokenizerBase
 
 from agents.engine.embedded import EmbeddedEngine
 from agents.engine.protocol import Engine
 from agents.engine.sglang import SGLangEngine
-from agents.models import build_tiny_moe, load_model, moe_info
+from agents.evaluation import evaluate
+from agents.models import build_tiny_moe, load_model, moe_info, save_model
 from agents.rollout import RolloutDriver
 from agents.tokenizer import tiny_tokenizer
 from envs import ENV_IDS, ToolEnv, ToolEnvConfig, load_tasks
 from pacerl.config import ConfigError, RunConfig, load_config, save_config
+from pacerl.evaluate import VALIDATION_TASKS, local_retriever
+from pacerl.plots import plot_run
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.learner import Learner
 from trainer.loop import Run, train_async, train_sync
 from trainer.pool import TrajectoryPool
+from trainer.sft import SFTConfig, demonstrations, sft
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +59,8 @@ def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
     )
     if spec.id == "pacerl/Search-v0":
         options = replace(options, tool_formats=("hermes",))
+    if spec.retriever_url is not None:
+        options = replace(options, settings={"retriever_url": spec.retriever_url})
 
     def make() -> ToolEnv:
         env = env_class(tasks=tasks, config=options) if tasks is not None else env_class(config=options)
@@ -105,6 +113,27 @@ def build_run(config: RunConfig, run_dir: Path, model: Any, tokenizer: PreTraine
     )
 
 
+def warm_start(config: RunConfig, model: Any, tokenizer: PreTrainedTokenizerBase) -> dict[str, float]:
+    """Run the configured SFT on `model` if `config.sft` asks for it; its first and last loss."""
+    spec = config.sft
+    fresh = config.model.path is None
+    if spec.steps == 0 or spec.when == "never" or (spec.when == "fresh" and not fresh):
+        return {}
+    tasks = load_tasks(spec.tasks) if spec.tasks is not None else env_factory(config)().tasks
+    demos = demonstrations(
+        config.env.id,
+        tasks,
+        seed=config.seed,
+        style=spec.style,
+        system_prompt=config.env.system_prompt,
+        tool_schemas=config.rollout.tool_schemas_in_prompt,
+        tokenizer=tokenizer,
+    )
+    sft_config = SFTConfig(lr=spec.lr, steps=spec.steps, batch_size=spec.batch_size, seed=config.seed)
+    losses = sft(model, demos, sft_config)
+    return {"sft/first_loss": losses[0], "sft/last_loss": losses[-1], "sft/steps": float(len(losses))}
+
+
 def seed_everything(config: RunConfig) -> None:
     """Threads and seeds of torch, numpy and python."""
     torch.set_num_threads(config.threads)
@@ -123,7 +152,17 @@ def build_twin(model: Any) -> Any:
 
 async def train(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     """Run training to `config.loop.steps` (continuing the run directory's latest checkpoint when
-    `resume`). Ctrl-C or SIGTERM saves a checkpoint and returns early."""
+    `resume`). Ctrl-C or SIGTERM saves a checkpoint and returns early. Search without a retriever URL
+    gets one served in process for the run."""
+    if config.env.id == "pacerl/Search-v0" and config.env.retriever_url is None:
+        with local_retriever() as url:
+            served = replace(config, env=replace(config.env, retriever_url=url))
+            return await _train(served, resume=resume, saved=config)
+    return await _train(config, resume=resume, saved=config)
+
+
+async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[str, Any]:
+    """`train` with everything resolved; `saved` is the config written to the run directory."""
     run_dir = Path(config.run_dir)
     checkpoint = None
     if resume:  # read and check everything before anything in the run directory is written
@@ -135,18 +174,152 @@ async def train(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     model, tokenizer = load_policy(config)
     env_factory(config)  # an unknown env or task file fails here, before the run directory is touched
     _prepare_run_dir(run_dir, fresh=not resume)
-    save_config(config, run_dir / CONFIG_FILE)
+    save_config(saved, run_dir / CONFIG_FILE)
+    if checkpoint is None:
+        warmed = await asyncio.to_thread(warm_start, config, model, tokenizer)
+        if warmed:
+            save_model(model, tokenizer, run_dir / "warm_start")
+            log.info("SFT warm start: loss %.3f -> %.3f", warmed["sft/first_loss"], warmed["sft/last_loss"])
     run = build_run(config, run_dir, model, tokenizer)
     if checkpoint is not None:
         await run.restore(checkpoint)
     loop = train_sync if config.loop.mode == "sync" else train_async
-    job = asyncio.ensure_future(loop(run))
-    _on_interrupt(run, job)
-    summary = await job
+    evaluator = None
+    if config.evaluation.every or config.evaluation.at_start or config.evaluation.at_end:
+        evaluator = BackgroundEvaluator(config, model, tokenizer, run.learner.version)
+        run.after_step.append(evaluator.hook)
+    try:
+        if evaluator is not None and config.evaluation.at_start and run.step == 0:
+            await evaluator.now(run)
+        job = asyncio.ensure_future(loop(run))
+        _on_interrupt(run, job)
+        with StepDisplay(config.loop.steps, run.step) as display:
+            run.on_record = display.update
+            summary = await job
+        if evaluator is not None and config.evaluation.at_end and not run.stopping:
+            await evaluator.now(run)
+    finally:
+        if evaluator is not None:
+            await evaluator.aclose()
+        run.close_metrics()
+    save_model(model, tokenizer, run_dir / "model")  # what `pacerl eval --model` reads
+    summary["plots"] = [str(path) for path in await asyncio.to_thread(plot_run, run_dir)]
+    if evaluator is not None:
+        summary["evaluations"] = evaluator.reports
     if run.stopping:
         log.warning("stopped at step %d with a checkpoint; continue with --resume %s", run.step, run_dir)
         summary["interrupted"] = True
     return summary
+
+
+class BackgroundEvaluator:
+    """Scores snapshots of the trained weights on held-out tasks with its own engine while training goes
+    on; each result is written to the run's metrics as `eval/*` at the step it started, labelled with
+    the policy version it evaluated."""
+
+    def __init__(
+        self, config: RunConfig, model: Any, tokenizer: PreTrainedTokenizerBase, version: int
+    ) -> None:
+        self.spec = config.evaluation
+        self.tokenizer = tokenizer
+        self.engine = EmbeddedEngine(build_twin(model), tokenizer, version=version)
+        self.make_env = env_factory(config)
+        source = self.spec.tasks or VALIDATION_TASKS.get(config.env.id)
+        if source is None:
+            raise ConfigError(f"config: evaluation.tasks: {config.env.id} has no default validation set")
+        self.tasks = load_tasks(source)
+        self.num_experts = moe_info(model).num_experts if _is_moe(model) else 0
+        self.running: asyncio.Task[None] | None = None
+        self.reports: list[dict[str, Any]] = []
+
+    async def hook(self, run: Run) -> None:
+        """After a step: start an evaluation of the current weights if one is due and none runs."""
+        every = self.spec.every
+        due = every > 0 and run.step % every == 0 and run.step < run.config.steps
+        if due and (self.running is None or self.running.done()):
+            await self._snapshot(run)
+            self.running = asyncio.ensure_future(self._evaluate(run, run.step))
+
+    async def now(self, run: Run) -> None:
+        """Evaluate the current weights and wait for the result (at the start and the end)."""
+        if self.running is not None:
+            await self.running
+        await self._snapshot(run)
+        await self._evaluate(run, run.step)
+
+    async def _snapshot(self, run: Run) -> None:
+        if run.learner.version > self.engine.version:
+            await self.engine.update_weights(run.learner.weights(), run.learner.version)
+
+    async def _evaluate(self, run: Run, step: int) -> None:
+        version = self.engine.version
+        report = await evaluate(
+            self.engine,
+            self.tokenizer,
+            self.make_env,
+            self.tasks,
+            self.spec.settings,
+            num_experts=self.num_experts,
+            label=f"step {step}, version {version}",
+        )
+        scalars = {
+            "eval/accuracy": report.avg_at_k,
+            "eval/mean_reward": report.mean_reward,
+            "eval/tool_call_rate": report.tool_call_rate,
+            "eval/version": float(version),
+            **{f"eval/pass_at_{k}": value for k, value in report.pass_at_k.items()},
+        }
+        run.metrics.write(step, scalars)
+        self.reports.append({"step": step, "version": version, **scalars})
+        log.info("eval at step %d (version %d): accuracy %.3f", step, version, report.avg_at_k)
+
+    async def aclose(self) -> None:
+        if self.running is not None:
+            self.running.cancel()
+            await asyncio.gather(self.running, return_exceptions=True)
+        await self.engine.aclose()
+
+
+def _is_moe(model: Any) -> bool:
+    try:
+        moe_info(model)
+    except ValueError:
+        return False
+    return True
+
+
+class StepDisplay:
+    """A progress bar with the step's reward, accuracy, staleness and pool occupancy on a terminal; one
+    log line per step otherwise (CI logs, pipes)."""
+
+    def __init__(self, total: int, done: int) -> None:
+        self.interactive = sys.stderr.isatty()
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
+            disable=not self.interactive,
+        )
+        self.task = self.progress.add_task("train", total=total, completed=done, status="")
+
+    def __enter__(self) -> StepDisplay:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def update(self, step: int, scalars: Mapping[str, float]) -> None:
+        status = (
+            f"reward {scalars.get('reward', 0.0):.2f}  acc {scalars.get('accuracy', 0.0):.2f}  "
+            f"staleness {scalars.get('staleness/mean_staleness', 0.0):.2f}  "
+            f"pool {scalars.get('pool_groups', 0.0):.0f}  v{scalars.get('version', 0.0):.0f}"
+        )
+        self.progress.update(self.task, completed=step, status=status)
+        if not self.interactive:
+            log.info("step %d  %s", step, status)
 
 
 def _on_interrupt(run: Run, job: asyncio.Future[Any]) -> None:
@@ -180,6 +353,7 @@ def _prepare_run_dir(run_dir: Path, *, fresh: bool) -> None:
 
 def main_train(config_path: str | None, overrides: list[str], resume: str | None) -> int:
     """The body of `pacerl train`."""
+    _quiet_logging()
     if resume is not None:
         saved = Path(resume) / CONFIG_FILE
         if not saved.is_file():
@@ -190,3 +364,28 @@ def main_train(config_path: str | None, overrides: list[str], resume: str | None
     summary = asyncio.run(train(config, resume=resume is not None))
     print(summary)
     return 0
+
+
+def main_sft(config_path: str | None, overrides: list[str], out: str) -> int:
+    """The body of `pacerl sft`: the warm start of `config` (whatever `sft.when` says), saved to `out`."""
+    _quiet_logging()
+    config = load_config(config_path, [*overrides, "sft.when=always"])
+    destination = Path(out)
+    if destination.exists() and any(destination.iterdir()):
+        raise ConfigError(f"--out {out} is not empty; choose a new directory")
+    seed_everything(config)
+    model, tokenizer = load_policy(config)
+    stats = warm_start(config, model, tokenizer)
+    save_model(model, tokenizer, destination)
+    print(
+        f"SFT {stats.get('sft/steps', 0):.0f} steps, loss {stats.get('sft/first_loss', float('nan')):.3f} -> "
+        f"{stats.get('sft/last_loss', float('nan')):.3f}; model saved to {destination}"
+    )
+    return 0
+
+
+def _quiet_logging() -> None:
+    """pacerl's own progress lines; the HTTP clients' per-request lines only when something fails."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for name in ("httpx", "httpcore", "tensorboardX"):
+        logging.getLogger(name).setLevel(logging.WARNING)

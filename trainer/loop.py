@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -114,6 +114,10 @@ class Run:
         self._failure: BaseException | None = None
         self.stopping = False
         """Set by `request_stop`: the loop ends after the current step with a checkpoint."""
+        self.on_record: Callable[[int, dict[str, float]], None] | None = None
+        """Called with each step's number and scalars (a progress display)."""
+        self.after_step: list[Callable[[Run], Awaitable[None]]] = []
+        """Awaited after every step (e.g. starting a background evaluation on a weight snapshot)."""
         self._rejected_seen = 0
         self._started = time.time()
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -230,6 +234,8 @@ class Run:
             "staleness/waiting": np.repeat(bins, staleness.ws_hist),
         }
         self.metrics.write(self.step, scalars, histograms)
+        if self.on_record is not None:
+            self.on_record(self.step, scalars)
         line = {
             "step": self.step,
             "version": self.learner.version,
@@ -240,6 +246,11 @@ class Run:
         }
         with (self.run_dir / "batches.jsonl").open("a", encoding="utf-8") as file:
             file.write(json.dumps(line) + "\n")
+
+    async def evaluate(self) -> None:
+        """Run the `after_step` hooks (they must return quickly; long work goes to a task)."""
+        for hook in self.after_step:
+            await hook(self)
 
     def request_stop(self) -> None:
         """Finish the current step, checkpoint and return (Ctrl-C): nothing drawn is lost."""
@@ -298,12 +309,16 @@ class Run:
         await self.publish()
 
     async def aclose(self) -> None:
-        """Cancel rollouts still running and close the metrics."""
+        """Cancel rollouts still running (the metrics stay open for what follows the loop, e.g. a
+        final evaluation; `close_metrics` ends them)."""
         jobs = [job for _, job in self._running.values()]
         for job in jobs:
             job.cancel()
         await asyncio.gather(*jobs, return_exceptions=True)
         self._running.clear()
+
+    def close_metrics(self) -> None:
+        """Close the metrics files (every line is already flushed)."""
         self.metrics.close()
 
     def summary(self) -> dict[str, Any]:
@@ -335,6 +350,7 @@ async def train_sync(run: Run) -> dict[str, Any]:
             groups = await run.generate_batch()  # generate
             await run.train(groups)  # train
             await run.publish()  # publish
+            await run.evaluate()  # evaluate (in the background)
             if run.checkpoint_due():
                 run.checkpoint()
     finally:
@@ -356,6 +372,7 @@ async def train_async(run: Run) -> dict[str, Any]:
             result = await run.train(groups)  # train
             if result.updated and run.learner.version % run.config.sync_interval == 0:
                 await run.publish()  # publish
+            await run.evaluate()  # evaluate (in the background)
             if run.checkpoint_due():
                 run.checkpoint()
     finally:

@@ -1,0 +1,208 @@
+"""`pacerl eval`: a saved model on an env's tasks, K sampled episodes each, built the way training builds
+them; prints avg@K, pass@k, tool use and failures, and writes them as JSON with `--out`.
+
+    pacerl eval --model runs/sft/model --env pacerl/CodeMath-v0 --n 4 --max-tasks 50 --out eval.json
+
+The library (torch, transformers, the envs) is imported only when an evaluation runs: `pacerl` builds
+this parser for every subcommand, and those imports take seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agents.evaluation import EvalConfig, EvalReport
+    from envs import ToolEnv
+
+VALIDATION_TASKS = {
+    "pacerl/CodeMath-v0": "codemath-val",
+    "pacerl/Math-v0": "math-val",
+    "pacerl/Search-v0": "search-val",
+}
+"""Each env's shipped validation set (envs/data/), evaluated when `--tasks` is not given."""
+
+SEARCH_ENV = "pacerl/Search-v0"
+RETRIEVER_START_S = 30.0
+
+
+def main_eval(
+    model: str,
+    env_id: str,
+    n: int | None = None,
+    tasks: str | None = None,
+    out: str | None = None,
+    *,
+    temperature: float | None = None,
+    max_tasks: int | None = None,
+    retriever_url: str | None = None,
+    seed: int | None = None,
+) -> int:
+    """The body of `pacerl eval`: evaluate the model directory `model` on `env_id`'s `tasks` (default:
+    its validation set) with `n` samples per task; print the table and write the JSON report to `out`.
+    Options left None keep `EvalConfig`'s defaults. For Search-v0 without `retriever_url`, the shipped
+    corpus is served by an in-process BM25 retriever on a free loopback port for the run's duration.
+    Bad input (no such directory, unknown env or task set, invalid option) raises a one-line
+    ValueError (ConfigError) or OSError before any episode starts."""
+    from agents.evaluation import EvalConfig
+    from pacerl.config import config_from_dict
+    from pacerl.train import env_factory, seed_everything
+
+    given: dict[str, Any] = {"samples": n, "temperature": temperature, "max_tasks": max_tasks, "seed": seed}
+    config = replace(EvalConfig(), **{key: value for key, value in given.items() if value is not None})
+    source = tasks if tasks is not None else VALIDATION_TASKS.get(env_id)
+    run_config = config_from_dict(
+        {"seed": config.seed, "model": {"path": model}, "env": {"id": env_id, "tasks": source}}
+    )
+    make_env = env_factory(run_config)  # an unknown env or task set fails here, before the model loads
+    policy, tokenizer = _load(model)
+    seed_everything(run_config)
+    label = f"{model} on {env_id} ({source or 'default tasks'})"
+    with contextlib.ExitStack() as stack:
+        if env_id == SEARCH_ENV:
+            url = retriever_url or stack.enter_context(local_retriever())
+            make_env = with_retriever(make_env, url)
+        report = _run_eval(policy, tokenizer, make_env, config, label)
+    print(report.table(), end="")
+    if out is not None:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {path}")
+    return 0
+
+
+def _run_eval(
+    policy: Any, tokenizer: Any, make_env: Callable[[], ToolEnv], config: EvalConfig, label: str
+) -> EvalReport:
+    """Serve `policy` from an embedded engine and evaluate it on the tasks `make_env`'s envs hold."""
+    import asyncio
+
+    from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from agents.evaluation import evaluate
+
+    async def run() -> EvalReport:
+        engine = EmbeddedEngine(policy, tokenizer, EmbeddedEngineConfig(seed=config.seed))
+        probe = make_env()  # the tasks exactly as the env loaded them (as `pacerl train` takes them)
+        tasks = probe.tasks
+        probe.close()
+        try:
+            # Routes are not recorded in eval, so the model's expert count is not needed.
+            return await evaluate(engine, tokenizer, make_env, tasks, config, label=label)
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(run())
+
+
+def _load(model: str) -> tuple[Any, Any]:
+    from agents.models import load_model
+    from pacerl.config import ConfigError
+
+    # Checked here: load_model would take a missing `a/b` path for a hub name and try the network.
+    if not Path(model).expanduser().exists():
+        raise ConfigError(f"--model: no model directory at {model}")
+    try:
+        return load_model(model)
+    except (FileNotFoundError, ValueError, OSError) as error:
+        raise ConfigError(f"--model: {error}") from None
+
+
+def with_retriever(make_env: Callable[[], ToolEnv], url: str) -> Callable[[], ToolEnv]:
+    """`make_env` whose envs send their searches to `url`. The run config's env spec has no tool
+    settings, so the address is set on each env made; a ToolEnv reads its settings at every reset."""
+
+    def make() -> ToolEnv:
+        env = make_env()
+        env.config = replace(env.config, settings={**env.config.settings, "retriever_url": url})
+        return env
+
+    return make
+
+
+@contextlib.contextmanager
+def local_retriever(corpus: str | Path | None = None) -> Iterator[str]:
+    """A Search-R1 `/retrieve` server (BM25 over `corpus`, default the shipped search corpus) on a free
+    loopback port, on a daemon thread of this process; yields its URL and stops it on exit. On its own
+    thread uvicorn leaves the process's signal handlers alone, so Ctrl-C still stops the evaluation."""
+    import uvicorn
+
+    from envs.retriever import BM25Index, create_app
+    from envs.tasks import DATA_DIR
+
+    path = Path(corpus) if corpus is not None else DATA_DIR / "search-corpus.jsonl"
+    app = create_app(BM25Index.from_jsonl(path), source=f" from {path}")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))  # the kernel picks a free port: no race with a probe-then-bind
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [listener]}, name="eval-retriever", daemon=True
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + RETRIEVER_START_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the in-process retriever over {path} did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        listener.close()
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """`pacerl eval --model DIR --env ID [--n K] [--tasks FILE] [--out FILE] ...`."""
+    return main_eval(
+        args.model,
+        args.env,
+        args.n,
+        args.tasks,
+        args.out,
+        temperature=args.temperature,
+        max_tasks=args.max_tasks,
+        retriever_url=args.retriever_url,
+        seed=args.seed,
+    )
+
+
+def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add the `eval` subcommand (handler `cmd_eval`) to `pacerl`'s subparsers; returns its parser."""
+    parser = commands.add_parser(
+        "eval", help="evaluate a model on an env's tasks: avg@K, pass@k, tool use, failures"
+    )
+    parser.add_argument("--model", required=True, metavar="DIR", help="a model directory (save_model layout)")
+    parser.add_argument(
+        "--env", required=True, metavar="ID", choices=sorted(VALIDATION_TASKS),
+        help=f"the env: {', '.join(sorted(VALIDATION_TASKS))}",
+    )  # fmt: skip
+    parser.add_argument("--n", type=int, metavar="K", help="episodes sampled per task (default 4)")
+    parser.add_argument(
+        "--tasks",
+        metavar="FILE",
+        help="a .jsonl/.parquet task file or shipped set (default: the env's *-val)",
+    )
+    parser.add_argument("--out", metavar="FILE", help="write the report as JSON here (default: print only)")
+    parser.add_argument(
+        "--temperature", type=float, metavar="T", help="sampling temperature; 0 is greedy, with --n 1"
+    )
+    parser.add_argument("--max-tasks", type=int, metavar="M", help="evaluate only the first M tasks")
+    parser.add_argument(
+        "--retriever-url",
+        metavar="URL",
+        help="Search-v0's retriever (default: BM25 over the shipped corpus, served in-process)",
+    )
+    parser.add_argument("--seed", type=int, help="seed of the engine's samplers (default 0)")
+    parser.set_defaults(handler=cmd_eval)
+    return parser
