@@ -199,13 +199,18 @@ def capped_read(path: str, cap: int) -> tuple[str, int]:
     return base64.b64encode(head).decode(), total
 
 
-def session(limits: Job, status_fd: int) -> None:
-    announce_start(status_fd)
-    control_in, control_out = os.dup(0), os.dup(1)
+def repl(limits: Job, control_in: int, control_out: int) -> None:
+    """One episode's interpreter: a forked child of the zygote, talking to it over `control_*`."""
     replace_fd(os.open(os.devnull, os.O_RDONLY), 0)
+    for fd in (1, 2):
+        replace_fd(os.open(os.devnull, os.O_WRONLY), fd)
     io_dir = "/tmp/.pacerl-io"
     os.makedirs(io_dir, exist_ok=True)
-    apply_limits(limits, cpu_hard=resource.RLIM_INFINITY)
+    # The zygote's RLIMIT_NPROC count includes the zygote itself: one more keeps the user's budget.
+    apply_limits(limits | {"max_processes": limits["max_processes"] + 1}, cpu_hard=resource.RLIM_INFINITY)
+    # POSIX message queues live in the IPC namespace, which outlives an episode, and cannot be listed
+    # without an mqueue mount: forbid creating them, so none can carry state to the next episode.
+    resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
     # Both the per-cell wall alarm and the per-cell CPU budget interrupt the cell, not the session.
     signal.signal(signal.SIGALRM, on_alarm)
     signal.signal(signal.SIGXCPU, on_alarm)

@@ -53,8 +53,13 @@ class LoopConfig:
     """Checkpoints kept on disk."""
     seed: int = 0
     """Seed of the task order."""
+    max_wall_s: float | None = None
+    """Stop (with a checkpoint) after the first step that ends past this many seconds of the run, for
+    comparisons at an equal wall-clock budget; None: run all `steps`."""
 
     def __post_init__(self) -> None:
+        if self.max_wall_s is not None and not self.max_wall_s > 0:
+            raise ValueError(f"max_wall_s must be > 0 or None, got {self.max_wall_s}")
         if self.mode not in ("sync", "async"):
             raise ValueError(f"mode must be sync or async, got {self.mode!r}")
         if min(self.steps, self.batch_groups, self.sync_interval, self.keep_checkpoints) < 1:
@@ -114,6 +119,9 @@ class Run:
         self._failure: BaseException | None = None
         self.stopping = False
         """Set by `request_stop`: the loop ends after the current step with a checkpoint."""
+        self.budget_spent = False
+        """Set when `max_wall_s` ran out: the loop ended early with a checkpoint."""
+        self._checkpointed_step = -1
         self.on_record: Callable[[int, dict[str, float]], None] | None = None
         """Called with each step's number and scalars (a progress display)."""
         self.after_step: list[Callable[[Run], Awaitable[None]]] = []
@@ -257,6 +265,18 @@ class Run:
         self.stopping = True
         self._pool_changed.set()
 
+    def should_continue(self) -> bool:
+        """Steps left, no stop requested, and wall-clock budget (`max_wall_s`) left."""
+        budget = self.config.max_wall_s
+        if budget is not None and time.time() - self._started >= budget:
+            self.budget_spent = True
+        return self.step < self.config.steps and not self.stopping and not self.budget_spent
+
+    def finish(self) -> None:
+        """After the loop: a checkpoint of the last step, unless one was just written."""
+        if self._checkpointed_step != self.step:
+            self.checkpoint()
+
     def checkpoint_due(self) -> bool:
         """At the end, on a stop request, and every `checkpoint_every` steps."""
         every = self.config.checkpoint_every
@@ -279,6 +299,7 @@ class Run:
             "rejected_seen": self._rejected_seen,
             "driver_counts": dict(self.driver.counts),
         }
+        self._checkpointed_step = self.step
         return save_checkpoint(
             self.run_dir / "checkpoints",
             self.step,
@@ -330,6 +351,7 @@ class Run:
             "skipped": dict(self.learner.counts),
             "driver": dict(self.driver.counts),
             "dropped_groups": len(self.dropped_groups),
+            "budget_spent": self.budget_spent,
         }
 
 
@@ -346,13 +368,14 @@ def _truncate_after(path: Path, step: int) -> None:
 async def train_sync(run: Run) -> dict[str, Any]:
     """On-policy: generate a batch with the current weights, train, publish; repeat."""
     try:
-        while run.step < run.config.steps and not run.stopping:
+        while run.should_continue():
             groups = await run.generate_batch()  # generate
             await run.train(groups)  # train
             await run.publish()  # publish
             await run.evaluate()  # evaluate (in the background)
             if run.checkpoint_due():
                 run.checkpoint()
+        run.finish()
     finally:
         await run.aclose()
     return run.summary()
@@ -364,10 +387,9 @@ async def train_async(run: Run) -> dict[str, Any]:
     in-flight rollouts go on under them, each new token tagged with the new version)."""
     producer = asyncio.ensure_future(run.produce())  # generate, continuously
     try:
-        while run.step < run.config.steps and not run.stopping:
+        while run.should_continue():
             groups = await run.next_batch()  # filter
             if not groups:  # a stop was requested while waiting
-                run.checkpoint()
                 break
             result = await run.train(groups)  # train
             if result.updated and run.learner.version % run.config.sync_interval == 0:
@@ -375,6 +397,7 @@ async def train_async(run: Run) -> dict[str, Any]:
             await run.evaluate()  # evaluate (in the background)
             if run.checkpoint_due():
                 run.checkpoint()
+        run.finish()
     finally:
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)

@@ -1,0 +1,169 @@
+"""Shared machinery of the papers' comparisons in miniature: run arms of `pacerl train` at one wall-clock
+budget (each in its own process, so one arm's failure or memory cannot touch the next; an arm whose run
+directory already holds a finished summary is skipped, so a long sweep resumes), then read their metrics
+into one table and one plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+SUMMARY = "summary.json"
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration of the comparison."""
+
+    name: str
+    """Its label in the table."""
+    overrides: Mapping[str, Any]
+    """Dotted config keys on top of the base config (e.g. `{"loop.mode": "sync"}`)."""
+    seed: int = 0
+    """Seed of the run."""
+    notes: str = ""
+    """What the arm stands for (a paper's baseline)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Columns carried into the table as they are (e.g. the publication lag)."""
+
+
+def warm_start(directory: Path, env_id: str, steps: int) -> Path:
+    """The shared SFT warm start of every arm (`pacerl sft`), made once."""
+    if (directory / "config.json").is_file():
+        return directory
+    command = [sys.executable, "-m", "pacerl", "sft", "--out", str(directory), f"env.id={env_id}"]
+    subprocess.run([*command, f"sft.steps={steps}"], cwd=ROOT, check=True)
+    return directory
+
+
+def run_arm(arm: Arm, base: Mapping[str, Any], runs: Path) -> dict[str, Any]:
+    """Train one arm (unless its run directory has a summary already) and summarise its metrics."""
+    run_dir = runs / f"{arm.name}-seed{arm.seed}"
+    done = run_dir / SUMMARY
+    if done.is_file():
+        return dict(json.loads(done.read_text()))
+    if run_dir.exists():  # an arm interrupted mid-way starts over: a partial run is no comparison
+        import shutil
+
+        shutil.rmtree(run_dir)
+    settings = {**base, **arm.overrides, "run_dir": str(run_dir), "seed": arm.seed}
+    pairs = [f"{key}={json.dumps(value)}" for key, value in settings.items()]
+    command = [sys.executable, "-m", "pacerl", "train", *pairs]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.splitlines()[-5:])
+        summary = {"arm": arm.name, "seed": arm.seed, "error": tail}
+    else:
+        summary = {"arm": arm.name, "seed": arm.seed, **arm.extra, **summarise(run_dir)}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    done.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def summarise(run_dir: Path) -> dict[str, Any]:
+    """The figures the tables report, from a finished run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [row for row in rows if "reward" in row]
+    evals = [row for row in rows if "eval/accuracy" in row]
+    # Seconds count from the first record: the end of the evaluation before training.
+    start = rows[0]["time"] if rows else 0.0
+
+    def mean(key: str) -> float:
+        values = [row[key] for row in train if isinstance(row.get(key), int | float)]
+        return sum(values) / len(values) if values else math.nan
+
+    gs = [sum(row.get(f"staleness/gs_hist_{b}", 0.0) for row in train) for b in range(9)]
+    ws = [sum(row.get(f"staleness/ws_hist_{b}", 0.0) for row in train) for b in range(9)]
+    last = train[-1] if train else {}
+    rewards = [row["reward"] for row in train]
+    return {
+        "steps": len(train),
+        "updates": int(last.get("version", 0)),
+        "wall_s": (train[-1]["time"] - start) if train else 0.0,
+        "eval_start": evals[0]["eval/accuracy"] if evals else math.nan,
+        "eval_end": evals[-1]["eval/accuracy"] if evals else math.nan,
+        "eval_curve": [(row["time"] - start, row["eval/version"], row["eval/accuracy"]) for row in evals],
+        "reward_curve": [(row["time"] - start, row["reward"]) for row in train],
+        "mean_reward_last_quarter": _tail_mean(rewards, 0.25),
+        "mean_gs": mean("staleness/mean_gs"),
+        "mean_ws": mean("staleness/mean_ws"),
+        "gs_hist": gs,
+        "ws_hist": ws,
+        "clip_fraction": mean("clip_fraction"),
+        "sat_gate_rate": mean("sat_gate_rate"),
+        "mismatch": mean("mismatch"),
+        "routing_disagreement": mean("routing_disagreement"),
+        "rejected": {k.removeprefix("rejected/"): v for k, v in last.items() if k.startswith("rejected/")},
+        "collapse_step": collapse_step(rewards),
+    }
+
+
+def collapse_step(rewards: Sequence[float], window: int = 10) -> int | None:
+    """ALGORITHMS.md §8's reconstruction: the first step where the EMA-smoothed reward (span `window`)
+    falls below half its running maximum and never climbs back to 80% of it; None if it never does."""
+    alpha, smoothed, peak, fell = 2 / (window + 1), None, -math.inf, None
+    for step, reward in enumerate(rewards, start=1):
+        smoothed = reward if smoothed is None else alpha * reward + (1 - alpha) * smoothed
+        peak = max(peak, smoothed)
+        if fell is None and peak > 0 and smoothed < 0.5 * peak:
+            fell = step
+        elif fell is not None and smoothed >= 0.8 * peak:
+            fell = None
+    return fell
+
+
+def _tail_mean(values: Sequence[float], share: float) -> float:
+    tail = values[-max(1, int(len(values) * share)) :] if values else []
+    return sum(tail) / len(tail) if tail else math.nan
+
+
+def time_to_reach(curve: Sequence[Sequence[float]], target: float) -> float | None:
+    """Seconds until an evaluation first reached `target` accuracy (None: never)."""
+    for seconds, _, accuracy in curve:
+        if accuracy >= target:
+            return float(seconds)
+    return None
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+    """A markdown table of `rows`; `columns` are (key, header) pairs; floats at 3 decimals."""
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "–"
+        if isinstance(value, float):
+            return "nan" if math.isnan(value) else f"{value:.3f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(k)) for k, _ in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(summaries: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
+    """Evaluation accuracy against wall-clock seconds, one line per arm and seed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    for summary in summaries:
+        curve = summary.get("eval_curve") or []
+        if curve:
+            label = f"{summary['arm']} s{summary['seed']}"
+            axes.plot([p[0] for p in curve], [p[2] for p in curve], marker="o", label=label)
+    axes.set_xlabel("wall-clock seconds")
+    axes.set_ylabel("validation accuracy (greedy)")
+    axes.set_title(title)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
