@@ -269,6 +269,222 @@ def repl(limits: Job, control_in: int, control_out: int) -> None:
         )
 
 
+# -- the session zygote: one sandbox serves many episodes, each in a fresh forked interpreter ---------
+
+PR_SET_DUMPABLE = 4
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR = 1, 7
+KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -4, -5
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
+RESET_DEADLINE_S = 1.5
+MAX_FRAME_BYTES = 1 << 30
+
+
+def libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def keyctl(lib: Any, *args: int) -> None:
+    """Best effort: keyrings the episode could reach outlive its processes (per uid, per user ns)."""
+    import platform
+
+    number = SYS_KEYCTL.get(platform.machine())
+    if number is not None:
+        lib.syscall(number, *args)
+
+
+def dir_state(path: str) -> tuple[int, int, int, int, int]:
+    st = os.lstat(path)
+    return st.st_ino, st.st_mode, st.st_uid, st.st_atime_ns, st.st_mtime_ns
+
+
+def dev_entries() -> dict[str, tuple[int, int]]:
+    return {
+        entry.name: (entry.inode(), entry.stat(follow_symlinks=False).st_mode) for entry in os.scandir("/dev")
+    }
+
+
+def snapshot() -> Job:
+    """What a clean sandbox looks like, taken before any user code ran; `reset` restores or checks it."""
+    wiped = [path for path in (os.getcwd(), "/tmp", "/dev/shm") if os.access(path, os.W_OK)]
+    return {
+        "wiped": {path: dir_state(path) for path in wiped},
+        "dev": dev_entries() if os.access("/dev", os.W_OK) else None,
+        "cwd": os.getcwd(),
+        "rlimits": {
+            name: resource.getrlimit(getattr(resource, name))
+            for name in dir(resource)
+            if name.startswith("RLIMIT_")
+        },
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "scheduler": os.sched_getscheduler(0),
+        "affinity": os.sched_getaffinity(0),
+    }
+
+
+def remove_tree(path: str) -> None:
+    """Delete everything below `path` (the user's own files: it may have chmod-ed them to 0)."""
+    for entry in os.scandir(path):
+        if entry.is_dir(follow_symlinks=False):
+            os.chmod(entry.path, 0o700)
+            remove_tree(entry.path)
+            os.rmdir(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def kill_all() -> None:
+    """SIGKILL every process this one may signal in the PID namespace (all but itself and PID 1,
+    bubblewrap's init, which the kernel shields from its namespace), until none is left."""
+    import time
+
+    me, deadline = os.getpid(), time.monotonic() + RESET_DEADLINE_S
+    while True:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        # Orphans are reaped by PID 1 (bubblewrap's init, or this zygote itself under unshare).
+        if not [pid for pid in os.listdir("/proc") if pid.isdigit() and int(pid) not in (1, me)]:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("processes survived the reset")
+        time.sleep(0.001)
+
+
+def remove_ipc(lib: Any) -> None:
+    """System V IPC objects belong to the IPC namespace, which outlives the episode: remove them all."""
+    for kind in ("shm", "sem", "msg"):
+        with open(f"/proc/sysvipc/{kind}") as table:
+            ids = [int(line.split()[1]) for line in table.readlines()[1:] if line.strip()]
+        for ident in ids:  # IPC_RMID is 0; semctl takes a semaphore number before the command
+            if kind == "sem":
+                lib.semctl(ident, 0, 0)
+            else:
+                getattr(lib, f"{kind}ctl")(ident, 0, None)
+        with open(f"/proc/sysvipc/{kind}") as table:
+            if len([line for line in table.readlines()[1:] if line.strip()]) > 0:
+                raise RuntimeError(f"System V {kind} objects survived the reset")
+
+
+def reset(clean: Job, lib: Any) -> None:
+    """Make the sandbox as it was before the first episode, or raise (then the host discards it)."""
+    kill_all()  # first: nothing may run while we clean
+    remove_ipc(lib)
+    keyctl(lib, KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING)
+    keyctl(lib, KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING)
+    for path, state in clean["wiped"].items():
+        os.chmod(path, 0o700)
+        remove_tree(path)
+        for name in os.listxattr(path, follow_symlinks=False):
+            if name.startswith("user."):
+                os.removexattr(path, name, follow_symlinks=False)
+        os.chmod(path, state[1] & 0o7777)
+        os.utime(path, ns=(state[3], state[4]), follow_symlinks=False)
+        if os.listdir(path) or dir_state(path) != state:
+            raise RuntimeError(f"{path} could not be restored")
+    if clean["dev"] is not None:
+        for entry in os.scandir("/dev"):
+            if entry.name not in clean["dev"]:
+                if entry.is_dir(follow_symlinks=False):
+                    remove_tree(entry.path)
+                    os.rmdir(entry.path)
+                else:
+                    os.unlink(entry.path)
+        if dev_entries() != clean["dev"]:
+            raise RuntimeError("/dev was changed")
+    # Same-uid code may lower this process's rlimits (prlimit) or priority, which the next episode
+    # would inherit: refuse to go on rather than hand it a sandbox that differs.
+    now = snapshot()
+    for key in ("rlimits", "nice", "scheduler", "affinity"):
+        if now[key] != clean[key]:
+            raise RuntimeError(f"the zygote's {key} changed")
+
+
+def fork_repl(limits: Job, host_fds: tuple[int, int], lib: Any) -> tuple[int, int]:
+    """Fork one episode's interpreter; returns the zygote's ends of its pipes (to it, from it)."""
+    request_read, request_write = os.pipe()
+    reply_read, reply_write = os.pipe()
+    if os.fork() == 0:
+        status = 1
+        try:
+            for fd in (*host_fds, request_write, reply_read):
+                os.close(fd)
+            # The zygote is non-dumpable; the episode's own process must not be (or its /proc/self
+            # files turn root-owned and unreadable to it).
+            lib.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+            keyctl(lib, KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh keyring that dies with the episode
+            repl(limits, request_read, reply_write)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(request_read)
+    os.close(reply_write)
+    return request_write, reply_read
+
+
+def relay(source: int, target: int) -> None:
+    """Copy one frame from the episode's interpreter to the host without parsing it; raise on EOF or
+    a malformed header (the user's code controls that pipe too), which ends the zygote."""
+    header = b""
+    while not header.endswith(b"\n"):
+        byte = os.read(source, 1)
+        if not byte or len(header) > 20:
+            raise EOFError("the session interpreter died")
+        header += byte
+    size = int(header)
+    if not 0 <= size <= MAX_FRAME_BYTES:
+        raise ValueError("oversized frame")
+    data = bytearray(header)
+    while len(data) < len(header) + size:
+        chunk = os.read(source, min(len(header) + size - len(data), 1 << 20))
+        if not chunk:
+            raise EOFError("the session interpreter died")
+        data += chunk
+    view = memoryview(data)
+    while view:
+        view = view[os.write(target, view) :]
+
+
+def session(limits: Job, status_fd: int) -> None:
+    """The zygote: runs no user code itself, forks one interpreter per episode, relays its frames,
+    and on `{"reset": true}` kills the episode's processes and wipes what it could have changed.
+
+    Non-dumpable, so that same-uid code cannot ptrace it or read or write its memory through /proc;
+    it may still kill it, which ends the sandbox (the host sees EOF and discards it). Any failure to
+    restore a clean state exits too: a sandbox is reused only when the reset fully succeeded."""
+    lib = libc()
+    if lib.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError("prctl(PR_SET_DUMPABLE) failed")
+    announce_start(status_fd)
+    host_in, host_out = os.dup(0), os.dup(1)
+    replace_fd(os.open(os.devnull, os.O_RDONLY), 0)
+    replace_fd(os.open(os.devnull, os.O_WRONLY), 1)
+    clean = snapshot()
+    try:
+        to_repl, from_repl = fork_repl(limits, (host_in, host_out), lib)
+        relay(from_repl, host_out)  # its ready frame
+        while True:
+            request = read_frame(host_in)
+            if request is None:
+                break
+            if request.get("reset"):
+                os.close(to_repl)
+                os.close(from_repl)
+                reset(clean, lib)
+                to_repl, from_repl = fork_repl(limits, (host_in, host_out), lib)
+                relay(from_repl, host_out)
+                continue
+            write_frame(to_repl, request)
+            relay(from_repl, host_out)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
 # -- the `unshare` fallback: build the sandbox's root ourselves (bubblewrap does this otherwise) -------
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8

@@ -12,7 +12,12 @@ network namespace then has no interface up at all, not even loopback.
 
 Latency: a pool of warm sandboxes (bubblewrap plus an interpreter already started and waiting for
 its job) makes a one-shot run cost a pipe write and a process exit, not a sandbox and interpreter
-start. Each warm sandbox serves exactly one run and is thrown away, so runs never share state.
+start. Each warm sandbox serves exactly one one-shot run and is thrown away, so runs never share state.
+
+Sessions recycle their sandbox instead (`LocalOptions.recycle_sessions`): the in-sandbox launcher is
+then a zygote that forks one interpreter per episode, and at the session's close it kills every
+process of the episode, wipes the work dir, /tmp and System V IPC, and forks a fresh interpreter;
+only a sandbox whose zygote confirmed that reset returns to the warm pool, anything else is killed.
 """
 
 from __future__ import annotations
@@ -68,6 +73,11 @@ class LocalOptions:
     """Path to bubblewrap; None finds it on PATH."""
     isolation: str = "auto"
     """`bwrap`, `unshare` (root only), or `auto`: bubblewrap when present, else unshare."""
+    recycle_sessions: bool = True
+    """Reuse a closed session's sandbox for a later session with the same limits, after its zygote
+    killed every process of the episode and wiped its files (a few ms instead of a sandbox start).
+    Up to `warm_sessions` idle ones are kept, each reused at most 256 times. False gives every session
+    a sandbox of its own, killed at its close."""
 
     def __post_init__(self) -> None:
         if self.warm_pool < 0 or self.warm_sessions < 0 or self.max_concurrency < 1 or self.uid_count < 1:
@@ -90,6 +100,11 @@ class _Box:
         self._started = False
         self._uid = uid
         self._pool = pool
+        self.greeted = False
+        """A session launcher's ready frame has been read (a recycled sandbox answered it at reset)."""
+        self.busy = False
+        """A session call was sent and its reply not read back: the sandbox is in no state to reuse."""
+        self.episodes = 0
 
     def started(self) -> bool:
         """True once the launcher said it handed over to the user's code (so a failure is theirs)."""
@@ -128,6 +143,9 @@ _PoolKey = tuple[str, str]
 """(launcher mode, limits as JSON) of a warm pool: a warm sandbox's tmpfs size and a session's rlimits
 are fixed when it starts, so each distinct setting has its own pool."""
 _MAX_POOLS = 8
+_MAX_EPISODES = 256
+"""Sessions one sandbox serves before it is replaced (bounds what a slow leak could accumulate)."""
+_RESET_TIMEOUT_S = 2.0
 
 
 def _oneshot_key(limits: Limits) -> _PoolKey:
@@ -181,6 +199,10 @@ class LocalBackend:
         self._warm: dict[_PoolKey, list[_Box]] = {}
         self._filling: dict[_PoolKey, asyncio.Task[None]] = {}
         self._sessions: set[LocalSession] = set()
+        self._lent: dict[_PoolKey, int] = {}
+        """Recyclable session sandboxes in use per pool: they count as supply when refilling."""
+        self.recycled = 0
+        """Session sandboxes reset and returned to the warm pool (a counter, for tests and benchmarks)."""
         self._closed = False
 
     # -- sandbox processes ---------------------------------------------------------------------------
@@ -264,7 +286,7 @@ class LocalBackend:
 
     async def _fill(self, key: _PoolKey) -> None:
         pool = self._warm.setdefault(key, [])
-        while not self._closed and len(pool) < self._pool_size(key):
+        while not self._closed and len(pool) + self._lent.get(key, 0) < self._pool_size(key):
             pool.append(self._spawn_for(key))
             await asyncio.sleep(0)
 
@@ -282,13 +304,44 @@ class LocalBackend:
         pool = self._warm.get(key, [])
         box = None
         while pool and box is None:
-            candidate = pool.pop(0)
+            # Sessions take the most recently returned sandbox (a recycled one, still hot in the caches).
+            candidate = pool.pop() if key[0] == "session" else pool.pop(0)
             if candidate.child.alive:
                 box = candidate
             else:
                 await candidate.close()
         self._refill(key)
         return box if box is not None else self._spawn_for(key)
+
+    def _lend(self, key: _PoolKey) -> None:
+        if self.options.recycle_sessions:
+            self._lent[key] = self._lent.get(key, 0) + 1
+
+    async def _give_back(self, key: _PoolKey, box: _Box, reusable: bool) -> None:
+        """Return a session's sandbox: reset and pooled when it is healthy and there is room, else killed."""
+        if self.options.recycle_sessions:
+            self._lent[key] -= 1
+        pool = self._warm.get(key)
+        if (
+            reusable
+            and self.options.recycle_sessions
+            and not self._closed
+            and pool is not None
+            and len(pool) < self._pool_size(key)
+            and box.child.alive
+            and not box.busy
+            and box.episodes < _MAX_EPISODES
+        ):
+            with contextlib.suppress(TimeoutError, EOFError, OSError, ValueError):
+                await box.child.write(b'15\n{"reset": true}')
+                ready = await asyncio.wait_for(LocalSession._read_frame(box), _RESET_TIMEOUT_S)
+                if ready.get("ready") is True and not self._closed and len(pool) < self._pool_size(key):
+                    box.episodes += 1
+                    pool.append(box)
+                    self.recycled += 1
+                    return
+        await box.close()
+        self._refill(key)
 
     # -- one-shot runs -------------------------------------------------------------------------------
 
@@ -391,10 +444,20 @@ class LocalSession:
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
-        self._box = await self._backend._take_box(_session_key(self.limits))
-        ready = await asyncio.wait_for(self._read_frame(self._box), 30)
-        if not ready.get("ready"):
-            raise RuntimeError(f"sandbox session failed to start: {ready}")
+        key = _session_key(self.limits)
+        self._box = await self._backend._take_box(key)
+        self._backend._lend(key)
+        if not self._box.greeted:
+            ready = await asyncio.wait_for(self._read_frame(self._box), 30)
+            if not ready.get("ready"):
+                raise RuntimeError(f"sandbox session failed to start: {ready}")
+            self._box.greeted = True
+
+    async def _release(self, reusable: bool) -> None:
+        """Hand the sandbox back (recycled if `reusable` and healthy, else killed)."""
+        box, self._box = self._box, None
+        if box is not None:
+            await self._backend._give_back(_session_key(self.limits), box, reusable)
 
     @staticmethod
     async def _read_frame(box: _Box) -> dict[str, object]:
@@ -412,8 +475,7 @@ class LocalSession:
         async with self._lock, self._backend._slots:
             notice = ""
             if self._box is None or not self._box.child.alive:
-                if self._box is not None:
-                    await self._box.close()
+                await self._release(reusable=False)
                 await self.start()
                 if self._lost_state:
                     notice = RESTART_NOTICE
@@ -425,8 +487,10 @@ class LocalSession:
         limits = request.limits
         started = time.monotonic()
         try:
+            box.busy = True  # until the reply is read: a cancelled call leaves a frame in flight
             await box.child.write(session_message(request))
             reply = await asyncio.wait_for(self._read_frame(box), limits.timeout_s + SESSION_GRACE_S)
+            box.busy = False
         except TimeoutError:
             await self._kill()
             reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded; the session was restarted"
@@ -438,23 +502,18 @@ class LocalSession:
         return session_result(reply, limits, notice, time.monotonic() - started)
 
     async def _kill(self) -> None:
-        if self._box is not None:
-            await self._box.close()
-        self._box = None
+        await self._release(reusable=False)
         self._lost_state = True
 
     async def reset(self) -> None:
-        """Forget every variable: a fresh interpreter in a fresh sandbox."""
+        """Forget every variable: a fresh interpreter in a clean (fresh or recycled) sandbox."""
         async with self._lock:
-            if self._box is not None:
-                await self._box.close()
+            await self._release(reusable=True)
             self._lost_state = False
             await self.start()
 
     async def aclose(self) -> None:
-        """Kill the session's sandbox. Idempotent."""
+        """Release the session's sandbox (recycled when healthy, else killed). Idempotent."""
         async with self._lock:
-            if self._box is not None:
-                await self._box.close()
-                self._box = None
+            await self._release(reusable=True)
         self._backend._sessions.discard(self)

@@ -251,3 +251,31 @@ def test_training_against_an_sglang_server_publishes_through_its_update_endpoint
     updated = [row for row in rows if row["updated"]]
     assert updated and all(row["r3_coverage"] == 1.0 for row in updated)  # every trained token replayed
     assert max(row["staleness/mean_staleness"] for row in rows) > 0
+
+
+def test_the_commands_end_to_end(warm_model: tuple[Path, Path], tmp_path: Path) -> None:
+    """`pacerl train` then `pacerl eval` of the model it saved, as a user runs them."""
+    run_dir = tmp_path / "cli-run"
+    settings = small_run(warm_model, run_dir, loop={"steps": 2})
+    config_file = tmp_path / "run.json"
+    config_file.write_text(json.dumps(settings))
+    trained = subprocess.run(
+        [sys.executable, "-m", "pacerl", "train", "--config", str(config_file), "evaluation.at_end=true"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert trained.returncode == 0, trained.stderr
+    assert "step 2" in trained.stderr  # one progress line per step without a terminal
+    report = tmp_path / "eval.json"
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "pacerl", "eval", "--model", str(run_dir / "model"), "--env", "pacerl/Math-v0",
+         "--tasks", str(warm_model[1]), "--n", "2", "--out", str(report)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr
+    result = json.loads(report.read_text())
+    assert result["tasks"] == 8 and result["episodes"] == 16 and 0.0 <= result["pass_at_k"]["2"] <= 1.0
+    assert "pass@2" in evaluated.stdout
