@@ -3,13 +3,15 @@
     .venv/bin/python benchmarks/sandbox.py [--runs N] [--out benchmarks/results/sandbox.json]
 
 Measures one-shot `print(1+1)` latency next to a plain `python3 -I -c` start, persistent-session
-call latency, throughput with 1, 2 and 8 concurrent callers, and Docker warm exec latency.
+call latency, throughput with 1, 2 and 8 concurrent callers, Docker warm exec latency, and a session
+cycle (open, one call, close, back to back) with recycled sandboxes and with a fresh one each.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -70,6 +72,25 @@ def throughput(sandbox: Sandbox, callers: int, seconds: float) -> float:
     return round(done / (time.perf_counter() - started), 1)
 
 
+def session_cycle(runs: int, **options: Any) -> dict[str, Any]:
+    """Open a session, make one call, close it; back to back, as RL episodes do."""
+
+    def cycle(sandbox: Sandbox) -> None:
+        with sandbox.session() as session:
+            check(session.run(CODE))
+
+    out: dict[str, Any] = {}
+    for label, recycle in (("recycled", True), ("fresh_sandbox_each", False)):
+        with Sandbox("local", recycle_sessions=recycle, **options) as sandbox:
+            cycle(sandbox)
+            time.sleep(0.5)
+            started = time.perf_counter()
+            out[label] = timed(functools.partial(cycle, sandbox), runs)
+            out[label]["sessions_per_s"] = round(runs / (time.perf_counter() - started), 1)
+            out[label]["recycled"] = getattr(sandbox._backend, "recycled", None)
+    return out
+
+
 def bench_backend(name: str, runs: int, idle_gap_s: float = 0.1, **options: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"idle_gap_s": idle_gap_s}
     with Sandbox(name, **options) as sandbox:
@@ -90,6 +111,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--out", default="benchmarks/results/sandbox.json")
+    parser.add_argument("--session-cycles", type=int, default=200)
+    parser.add_argument("--only-session-cycle", action="store_true", help="skip every other case")
     args = parser.parse_args()
 
     report: dict[str, Any] = {
@@ -100,11 +123,22 @@ def main() -> None:
         },
         "code": CODE,
     }
+    if args.only_session_cycle:
+        report["session_cycle"] = {
+            "local_bwrap": session_cycle(args.session_cycles),
+            "local_unshare": session_cycle(args.session_cycles, isolation="unshare"),
+        }
+        print(json.dumps(report, indent=2))
+        return
     report["plain_python3_-I_-c"] = timed(plain_python, args.runs)
     report["local_bwrap"] = bench_backend("local", args.runs)
     with Sandbox("local", warm_pool=0) as cold:
         report["local_bwrap_cold"] = {"oneshot": timed(lambda: check(cold.run(CODE)), args.runs // 2)}
     report["local_unshare"] = bench_backend("local", args.runs, isolation="unshare")
+    report["session_cycle"] = {
+        "local_bwrap": session_cycle(args.session_cycles),
+        "local_unshare": session_cycle(args.session_cycles, isolation="unshare"),
+    }
     try:
         from sandbox.image import ensure_image
 

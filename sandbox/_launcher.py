@@ -5,7 +5,8 @@ as one length-prefixed JSON frame on stdin, writes the job's files into the work
 the rlimits, and then becomes the user's program: Python code runs in this very interpreter (saving
 an interpreter start), bash replaces it by exec.
 
-In `session` mode it is instead a small REPL: one frame in, one frame out per call, globals kept
+In `session` mode it is instead a zygote (see `session`) that forks one small REPL per episode and
+can reset the sandbox for the next episode. The REPL: one frame in, one frame out per call, globals kept
 between calls, each call's stdout/stderr captured in files on the private tmpfs (so the host reads
 only the capped head), a per-call SIGALRM that interrupts runaway cells without losing the session.
 
@@ -311,7 +312,6 @@ def snapshot() -> Job:
     return {
         "wiped": {path: dir_state(path) for path in wiped},
         "dev": dev_entries() if os.access("/dev", os.W_OK) else None,
-        "cwd": os.getcwd(),
         "rlimits": {
             name: resource.getrlimit(getattr(resource, name))
             for name in dir(resource)
@@ -343,9 +343,11 @@ def kill_all() -> None:
     while True:
         with contextlib.suppress(ProcessLookupError):
             os.kill(-1, signal.SIGKILL)
+        # Every child was just sent SIGKILL, so a blocking wait ends promptly (a child stuck in the
+        # kernel holds us up to the host's reset timeout, after which the host kills the sandbox).
         with contextlib.suppress(ChildProcessError):
-            while os.waitpid(-1, os.WNOHANG)[0] > 0:
-                pass
+            while True:
+                os.waitpid(-1, 0)
         # Orphans are reaped by PID 1 (bubblewrap's init, or this zygote itself under unshare).
         if not [pid for pid in os.listdir("/proc") if pid.isdigit() and int(pid) not in (1, me)]:
             return
@@ -381,9 +383,13 @@ def reset(clean: Job, lib: Any) -> None:
         for name in os.listxattr(path, follow_symlinks=False):
             if name.startswith("user."):
                 os.removexattr(path, name, follow_symlinks=False)
+        if os.listdir(path):
+            raise RuntimeError(f"{path} could not be emptied")
         os.chmod(path, state[1] & 0o7777)
+        # Timestamps are restored too (a cell could encode bits in them); atime last, as reading the
+        # directory moves it.
         os.utime(path, ns=(state[3], state[4]), follow_symlinks=False)
-        if os.listdir(path) or dir_state(path) != state:
+        if dir_state(path) != state:
             raise RuntimeError(f"{path} could not be restored")
     if clean["dev"] is not None:
         for entry in os.scandir("/dev"):
@@ -403,11 +409,13 @@ def reset(clean: Job, lib: Any) -> None:
             raise RuntimeError(f"the zygote's {key} changed")
 
 
-def fork_repl(limits: Job, host_fds: tuple[int, int], lib: Any) -> tuple[int, int]:
-    """Fork one episode's interpreter; returns the zygote's ends of its pipes (to it, from it)."""
+def fork_repl(limits: Job, host_fds: tuple[int, int], lib: Any) -> tuple[int, int, int]:
+    """Fork one episode's interpreter; returns the zygote's ends of its pipes (to it, from it) and
+    a pidfd of it."""
     request_read, request_write = os.pipe()
     reply_read, reply_write = os.pipe()
-    if os.fork() == 0:
+    pid = os.fork()
+    if pid == 0:
         status = 1
         try:
             for fd in (*host_fds, request_write, reply_read):
@@ -422,15 +430,24 @@ def fork_repl(limits: Job, host_fds: tuple[int, int], lib: Any) -> tuple[int, in
             os._exit(status)
     os.close(request_read)
     os.close(reply_write)
-    return request_write, reply_read
+    return request_write, reply_read, os.pidfd_open(pid)
 
 
-def relay(source: int, target: int) -> None:
+def read_some(source: int, size: int, pidfd: int) -> bytes:
+    """Up to `size` bytes from the interpreter's pipe; b"" once it has died and the pipe is drained
+    (processes it forked may hold the pipe's write end, so EOF alone would not tell)."""
+    import select
+
+    ready, _, _ = select.select([source, pidfd], [], [])
+    return os.read(source, size) if source in ready else b""
+
+
+def relay(source: int, target: int, pidfd: int) -> None:
     """Copy one frame from the episode's interpreter to the host without parsing it; raise on EOF or
     a malformed header (the user's code controls that pipe too), which ends the zygote."""
     header = b""
     while not header.endswith(b"\n"):
-        byte = os.read(source, 1)
+        byte = read_some(source, 1, pidfd)
         if not byte or len(header) > 20:
             raise EOFError("the session interpreter died")
         header += byte
@@ -439,7 +456,7 @@ def relay(source: int, target: int) -> None:
         raise ValueError("oversized frame")
     data = bytearray(header)
     while len(data) < len(header) + size:
-        chunk = os.read(source, min(len(header) + size - len(data), 1 << 20))
+        chunk = read_some(source, min(len(header) + size - len(data), 1 << 20), pidfd)
         if not chunk:
             raise EOFError("the session interpreter died")
         data += chunk
@@ -463,26 +480,31 @@ def session(limits: Job, status_fd: int) -> None:
     replace_fd(os.open(os.devnull, os.O_RDONLY), 0)
     replace_fd(os.open(os.devnull, os.O_WRONLY), 1)
     clean = snapshot()
+    status = 0
     try:
-        to_repl, from_repl = fork_repl(limits, (host_in, host_out), lib)
-        relay(from_repl, host_out)  # its ready frame
+        to_repl, from_repl, pidfd = fork_repl(limits, (host_in, host_out), lib)
+        relay(from_repl, host_out, pidfd)  # its ready frame
         while True:
             request = read_frame(host_in)
             if request is None:
                 break
             if request.get("reset"):
-                os.close(to_repl)
-                os.close(from_repl)
+                for fd in (to_repl, from_repl, pidfd):
+                    os.close(fd)
                 reset(clean, lib)
-                to_repl, from_repl = fork_repl(limits, (host_in, host_out), lib)
-                relay(from_repl, host_out)
+                to_repl, from_repl, pidfd = fork_repl(limits, (host_in, host_out), lib)
+                relay(from_repl, host_out, pidfd)
                 continue
             write_frame(to_repl, request)
-            relay(from_repl, host_out)
+            relay(from_repl, host_out, pidfd)
     except BaseException:
         traceback.print_exc()
-        os._exit(1)
-    os._exit(0)
+        status = 1
+    # Take the episode's processes down with us: bubblewrap's init waits for all of its children
+    # before it exits, and the host only sees EOF once it has.
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(-1, signal.SIGKILL)
+    os._exit(status)
 
 
 # -- the `unshare` fallback: build the sandbox's root ourselves (bubblewrap does this otherwise) -------

@@ -322,26 +322,33 @@ class LocalBackend:
         if self.options.recycle_sessions:
             self._lent[key] -= 1
         pool = self._warm.get(key)
-        if (
-            reusable
-            and self.options.recycle_sessions
-            and not self._closed
-            and pool is not None
-            and len(pool) < self._pool_size(key)
-            and box.child.alive
-            and not box.busy
-            and box.episodes < _MAX_EPISODES
-        ):
-            with contextlib.suppress(TimeoutError, EOFError, OSError, ValueError):
-                await box.child.write(b'15\n{"reset": true}')
-                ready = await asyncio.wait_for(LocalSession._read_frame(box), _RESET_TIMEOUT_S)
-                if ready.get("ready") is True and not self._closed and len(pool) < self._pool_size(key):
-                    box.episodes += 1
-                    pool.append(box)
-                    self.recycled += 1
-                    return
-        await box.close()
-        self._refill(key)
+        pooled = False
+        try:
+            if (
+                reusable
+                and self.options.recycle_sessions
+                and not self._closed
+                and pool is not None
+                and len(pool) < self._pool_size(key)
+                and box.child.alive
+                and not box.busy
+                and box.episodes < _MAX_EPISODES
+            ):
+                with contextlib.suppress(TimeoutError, EOFError, OSError, ValueError):
+                    await box.child.write(b'15\n{"reset": true}')
+                    ready = await asyncio.wait_for(LocalSession._read_frame(box), _RESET_TIMEOUT_S)
+                    pooled = (
+                        ready.get("ready") is True and not self._closed and len(pool) < self._pool_size(key)
+                    )
+            if pooled:
+                assert pool is not None
+                box.episodes += 1
+                pool.append(box)
+                self.recycled += 1
+        finally:
+            if not pooled:  # also when cancelled mid-reset: a sandbox is pooled clean or killed
+                await box.close()
+                self._refill(key)
 
     # -- one-shot runs -------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ killed the episode's processes and wiped its state; whatever it cannot vouch for
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Iterator
 
 import pytest
@@ -47,13 +48,14 @@ if os.fork() == 0:  # a daemon: double fork, new session, orphaned to PID 1
 libc = ctypes.CDLL(None, use_errno=True)
 assert libc.shmget(4242, 4096, 0o1600) >= 0  # IPC_CREAT | 0600: a System V segment outlives processes
 os.environ['X'] = '1'
-json.dumps = None
+import string
+string.ascii_letters = 'patched'
 sys.path.append('/work/evil')
 builtins.print = None
 """
 
 CHECK = r"""
-import json, os, sys
+import json, os, string, sys
 pids = {int(p) for p in os.listdir('/proc') if p.isdigit()}
 state = {
     'secret': 'secret' in globals(),
@@ -63,6 +65,7 @@ state = {
     'others': sorted(pids - {1, os.getppid(), os.getpid()}),
     'env': dict(os.environ),
     'evil_path': '/work/evil' in sys.path,
+    'module': string.ascii_letters,
     'ipc': open('/proc/sysvipc/shm').read().splitlines()[1:],
 }
 print(json.dumps(state))
@@ -73,9 +76,9 @@ def test_recycled_session_starts_clean(recycling: Sandbox) -> None:
     before = backend(recycling).recycled
     with recycling.session() as first:
         fresh = first.run(CHECK)
+        init_started = first.run(INIT_START).stdout
         dirty = first.run(DIRTY)
         assert dirty.status is ExecStatus.OK, dirty
-        init_started = first.run(INIT_START).stdout
     assert backend(recycling).recycled == before + 1
     with recycling.session() as second:
         assert second.run(INIT_START).stdout == init_started  # the same sandbox, reused
@@ -101,13 +104,22 @@ for mode in ('rb', 'r+b'):
     assert result.stdout == "denied rb\ndenied r+b\n", result
 
 
-@pytest.mark.parametrize(
-    "attack", ["import os\nos.kill(os.getppid(), 9)", "import os\nos.kill(-1, 9)\nimport time\ntime.sleep(1)"]
-)
+ATTACKS = {
+    "kill-zygote": "import os\nos.kill(os.getppid(), 9)",
+    "kill-all": "import os\nos.kill(-1, 9)\nimport time\ntime.sleep(1)",
+    # The interpreter dies while a forked process still holds its reply pipe: the zygote must notice.
+    "break-repl": (
+        "import builtins, os, time\nif os.fork() == 0:\n    time.sleep(1000)\nbuiltins.print = None\n1"
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", ATTACKS.values(), ids=ATTACKS.keys())
 def test_killing_the_zygote_gives_the_next_session_a_working_sandbox(recycling: Sandbox, attack: str) -> None:
     with recycling.session() as first:
         first.run("x = 1")
-        first.run(attack)  # under unshare the zygote is PID 1, which its namespace cannot kill
+        hit = first.run(attack)  # under unshare the zygote is PID 1, which its namespace cannot kill
+        assert hit.duration_s < 5, hit  # a dead interpreter is noticed at once, not at the timeout
     with recycling.session() as second:
         result = second.run("print('x' in globals())\nprint(1 + 1)")
         assert result.status is ExecStatus.OK and result.stdout == "False\n2\n", result
@@ -127,3 +139,24 @@ def test_recycling_can_be_turned_off() -> None:
             with sandbox.session() as session:
                 assert session.run("1 + 1").stdout == "2\n"
         assert backend(sandbox).recycled == 0
+
+
+SYSCALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}
+"""(add_key, keyctl) syscall numbers: keyrings are reached through ctypes, there is no stdlib API."""
+
+
+@pytest.mark.skipif(platform.machine() not in SYSCALLS, reason="keyctl syscall numbers unknown here")
+def test_keyrings_do_not_carry_over(recycling: Sandbox) -> None:
+    add_key, keyctl = SYSCALLS[platform.machine()]
+    rings = "(-4, -5, -3)"  # the user, user-session and session keyrings
+    setup = f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nrings = {rings}\n"
+    plant = setup + f"print([libc.syscall({add_key}, b'user', b'leak', b'data', 4, r) > 0 for r in rings])"
+    # KEYCTL_SEARCH (10) for the key planted in each keyring
+    find = setup + f"print([libc.syscall({keyctl}, 10, r, b'user', b'leak', 0) > 0 for r in rings])"
+    before = backend(recycling).recycled
+    with recycling.session() as first:
+        assert first.run(plant).stdout == "[True, True, True]\n"
+        assert first.run(find).stdout == "[True, True, True]\n"
+    with recycling.session() as second:
+        assert backend(recycling).recycled == before + 1
+        assert second.run(find).stdout == "[False, False, False]\n"
