@@ -76,12 +76,17 @@ class LocalOptions:
     recycle_sessions: bool = True
     """Reuse a closed session's sandbox for a later session with the same limits, after its zygote
     killed every process of the episode and wiped its files (a few ms instead of a sandbox start).
-    Up to `warm_sessions` idle ones are kept, each reused at most 256 times. False gives every session
-    a sandbox of its own, killed at its close."""
+    Each is reused at most 256 times. False gives every session a sandbox of its own, killed at its
+    close."""
+    idle_sessions: int = 64
+    """Recycled session sandboxes kept idle per limits (at least `warm_sessions`): an RL run closes and
+    opens many sessions at once, and a returned sandbox that finds no room is killed."""
 
     def __post_init__(self) -> None:
-        if self.warm_pool < 0 or self.warm_sessions < 0 or self.max_concurrency < 1 or self.uid_count < 1:
-            raise ValueError("warm_pool and warm_sessions must be >= 0, max_concurrency and uid_count >= 1")
+        if min(self.warm_pool, self.warm_sessions, self.idle_sessions) < 0:
+            raise ValueError("warm_pool, warm_sessions and idle_sessions must be >= 0")
+        if self.max_concurrency < 1 or self.uid_count < 1:
+            raise ValueError("max_concurrency and uid_count must be >= 1")
         if self.isolation not in ("auto", "bwrap", "unshare"):
             raise ValueError(f"isolation must be auto, bwrap or unshare, got {self.isolation!r}")
         if not self.python.startswith("/"):
@@ -279,6 +284,10 @@ class LocalBackend:
     def _pool_size(self, key: _PoolKey) -> int:
         return self.options.warm_pool if key[0] == "oneshot" else self.options.warm_sessions
 
+    def _idle_cap(self, key: _PoolKey) -> int:
+        """How many recycled sandboxes may wait in a session pool (more than are started ahead)."""
+        return max(self._pool_size(key), self.options.idle_sessions)
+
     def _spawn_for(self, key: _PoolKey) -> _Box:
         mode, limits_json = key
         limits = Limits(**json.loads(limits_json))
@@ -329,7 +338,7 @@ class LocalBackend:
                 and self.options.recycle_sessions
                 and not self._closed
                 and pool is not None
-                and len(pool) < self._pool_size(key)
+                and len(pool) < self._idle_cap(key)
                 and box.child.alive
                 and not box.busy
                 and box.episodes < _MAX_EPISODES
@@ -338,7 +347,7 @@ class LocalBackend:
                     await box.child.write(b'15\n{"reset": true}')
                     ready = await asyncio.wait_for(LocalSession._read_frame(box), _RESET_TIMEOUT_S)
                     pooled = (
-                        ready.get("ready") is True and not self._closed and len(pool) < self._pool_size(key)
+                        ready.get("ready") is True and not self._closed and len(pool) < self._idle_cap(key)
                     )
             if pooled:
                 assert pool is not None
