@@ -125,6 +125,10 @@ def _default_rollout() -> RolloutConfig:
     return RolloutConfig(group_size=8, sampling=sampling, max_total_tokens=256, tool_schemas_in_prompt=False)
 
 
+def _default_filter() -> FilterConfig:
+    return FilterConfig(target_groups=24, max_concurrent_groups=24)
+
+
 def _default_learner() -> LearnerConfig:
     return LearnerConfig(temperature=0.7)
 
@@ -156,9 +160,9 @@ class RunConfig:
     `base_model_dir` to `model.path` (the server must read both under the same paths)."""
     learner: LearnerConfig = field(default_factory=_default_learner)
     """Loss, advantages, optimizer, R3."""
-    filter: FilterConfig = field(default_factory=FilterConfig)
-    """The pool's staleness filter and rollout admission."""
-    loop: LoopConfig = field(default_factory=LoopConfig)
+    filter: FilterConfig = field(default_factory=_default_filter)
+    """The pool's staleness filter and rollout admission (PACE's target: one batch waiting plus half)."""
+    loop: LoopConfig = field(default_factory=lambda: LoopConfig(batch_groups=16))
     """Sync or async, steps, batch size, publication interval, checkpoints."""
     evaluation: EvalSpec = field(default_factory=EvalSpec)
     """Evaluation on held-out tasks during and after training."""
@@ -168,6 +172,11 @@ class RunConfig:
             raise ValueError(f"engine_backend must be embedded or sglang, got {self.engine_backend!r}")
         if self.engine_backend == "sglang" and self.model.path is None:
             raise ValueError("engine_backend=sglang needs model.path: the server loads the same checkpoint")
+        if self.filter.name == "pace" and self.filter.target_groups < self.loop.batch_groups:
+            raise ValueError(
+                f"filter.target_groups ({self.filter.target_groups}) must be >= loop.batch_groups "
+                f"({self.loop.batch_groups}): below one batch PACE rejects groups the trainer is waiting for"
+            )
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         sampled = self.rollout.sampling.temperature
@@ -206,7 +215,7 @@ def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
         message = first["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"config: {where or 'value'}: {message}") from None
+        raise ConfigError(f"config: {where}: {message}" if where else f"config: {message}") from None
 
 
 def save_config(config: RunConfig, path: Path) -> None:
