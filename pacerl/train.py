@@ -10,7 +10,7 @@ import logging
 import random
 import signal
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from agents.evaluation import evaluate
 from agents.models import build_tiny_moe, load_model, moe_info, save_model
 from agents.rollout import RolloutDriver
 from agents.tokenizer import tiny_tokenizer
-from envs import ENV_IDS, ToolEnv, ToolEnvConfig, load_tasks
+from envs import ENV_IDS, Task, ToolEnv, ToolEnvConfig, load_tasks
 from pacerl.config import ConfigError, RunConfig, load_config, save_config
 from pacerl.evaluate import VALIDATION_TASKS, local_retriever
 from pacerl.plots import plot_run
@@ -82,7 +82,23 @@ def load_policy(config: RunConfig) -> tuple[Any, PreTrainedTokenizerBase]:
         raise ConfigError(f"config: model.path: {error}") from None
 
 
-def build_run(config: RunConfig, run_dir: Path, model: Any, tokenizer: PreTrainedTokenizerBase) -> Run:
+def training_tasks(make_env: Callable[[], ToolEnv]) -> list[Task]:
+    """The tasks the envs of `make_env` draw from (read from one env, closed again)."""
+    env = make_env()
+    try:
+        return list(env.tasks)
+    finally:
+        env.close()
+
+
+def build_run(
+    config: RunConfig,
+    run_dir: Path,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    make_env: Callable[[], ToolEnv],
+    tasks: Sequence[Task],
+) -> Run:
     """Every part of a run, wired as `config` says (nothing runs yet)."""
     engine: Engine
     if config.engine_backend == "sglang":
@@ -94,14 +110,8 @@ def build_run(config: RunConfig, run_dir: Path, model: Any, tokenizer: PreTraine
         engine = SGLangEngine(options)
     else:
         engine = EmbeddedEngine(build_twin(model), tokenizer, config.engine)
-    make_env = env_factory(config)
-    try:
-        num_experts = moe_info(model).num_experts
-    except ValueError:
-        num_experts = 0
-    driver = RolloutDriver(engine, tokenizer, make_env, config.rollout, num_experts=num_experts)
+    driver = RolloutDriver(engine, tokenizer, make_env, config.rollout, num_experts=_num_experts(model))
     learner = Learner(model, config.learner, pad_id=int(tokenizer.pad_token_id or 0))
-    tasks = make_env().tasks
     return Run(
         learner=learner,
         engine=engine,
@@ -113,13 +123,17 @@ def build_run(config: RunConfig, run_dir: Path, model: Any, tokenizer: PreTraine
     )
 
 
-def warm_start(config: RunConfig, model: Any, tokenizer: PreTrainedTokenizerBase) -> dict[str, float]:
-    """Run the configured SFT on `model` if `config.sft` asks for it; its first and last loss."""
+def warm_start(
+    config: RunConfig, model: Any, tokenizer: PreTrainedTokenizerBase, tasks: Sequence[Task]
+) -> dict[str, float]:
+    """Run the configured SFT on `model` if `config.sft` asks for it (demonstrating `sft.tasks`, else
+    `tasks`, the training tasks); its first and last loss."""
     spec = config.sft
     fresh = config.model.path is None
     if spec.steps == 0 or spec.when == "never" or (spec.when == "fresh" and not fresh):
         return {}
-    tasks = load_tasks(spec.tasks) if spec.tasks is not None else env_factory(config)().tasks
+    if spec.tasks is not None:
+        tasks = load_tasks(spec.tasks)
     demos = demonstrations(
         config.env.id,
         tasks,
@@ -172,21 +186,22 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
         checkpoint = load_checkpoint(path)
     seed_everything(config)
     model, tokenizer = load_policy(config)
-    env_factory(config)  # an unknown env or task file fails here, before the run directory is touched
+    make_env = env_factory(config)  # an unknown env or task file fails here, before anything is written
+    tasks = training_tasks(make_env)
     _prepare_run_dir(run_dir, fresh=not resume)
     save_config(saved, run_dir / CONFIG_FILE)
     if checkpoint is None:
-        warmed = await asyncio.to_thread(warm_start, config, model, tokenizer)
+        warmed = await asyncio.to_thread(warm_start, config, model, tokenizer, tasks)
         if warmed:
             save_model(model, tokenizer, run_dir / "warm_start")
             log.info("SFT warm start: loss %.3f -> %.3f", warmed["sft/first_loss"], warmed["sft/last_loss"])
-    run = build_run(config, run_dir, model, tokenizer)
+    run = build_run(config, run_dir, model, tokenizer, make_env, tasks)
     if checkpoint is not None:
         await run.restore(checkpoint)
     loop = train_sync if config.loop.mode == "sync" else train_async
     evaluator = None
     if config.evaluation.every or config.evaluation.at_start or config.evaluation.at_end:
-        evaluator = BackgroundEvaluator(config, model, tokenizer, run.learner.version)
+        evaluator = BackgroundEvaluator(config, model, tokenizer, run.learner.version, make_env)
         run.after_step.append(evaluator.hook)
     try:
         if evaluator is not None and config.evaluation.at_start and run.step == 0:
@@ -218,17 +233,22 @@ class BackgroundEvaluator:
     the policy version it evaluated."""
 
     def __init__(
-        self, config: RunConfig, model: Any, tokenizer: PreTrainedTokenizerBase, version: int
+        self,
+        config: RunConfig,
+        model: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        version: int,
+        make_env: Callable[[], ToolEnv],
     ) -> None:
         self.spec = config.evaluation
         self.tokenizer = tokenizer
         self.engine = EmbeddedEngine(build_twin(model), tokenizer, version=version)
-        self.make_env = env_factory(config)
+        self.make_env = make_env
         source = self.spec.tasks or VALIDATION_TASKS.get(config.env.id)
         if source is None:
             raise ConfigError(f"config: evaluation.tasks: {config.env.id} has no default validation set")
         self.tasks = load_tasks(source)
-        self.num_experts = moe_info(model).num_experts if _is_moe(model) else 0
+        self.num_experts = _num_experts(model)
         self.running: asyncio.Task[None] | None = None
         self.reports: list[dict[str, Any]] = []
 
@@ -280,12 +300,12 @@ class BackgroundEvaluator:
         await self.engine.aclose()
 
 
-def _is_moe(model: Any) -> bool:
+def _num_experts(model: Any) -> int:
+    """Experts per MoE layer, 0 for a dense model (whose engine records no routes)."""
     try:
-        moe_info(model)
+        return moe_info(model).num_experts
     except ValueError:
-        return False
-    return True
+        return 0
 
 
 class StepDisplay:
@@ -375,7 +395,7 @@ def main_sft(config_path: str | None, overrides: list[str], out: str) -> int:
         raise ConfigError(f"--out {out} is not empty; choose a new directory")
     seed_everything(config)
     model, tokenizer = load_policy(config)
-    stats = warm_start(config, model, tokenizer)
+    stats = warm_start(config, model, tokenizer, training_tasks(env_factory(config)))
     save_model(model, tokenizer, destination)
     print(
         f"SFT {stats.get('sft/steps', 0):.0f} steps, loss {stats.get('sft/first_loss', float('nan')):.3f} -> "

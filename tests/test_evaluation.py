@@ -7,12 +7,12 @@ import argparse
 import json
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
+from scripted import ScriptedEngineBase
 
 from agents.engine import FinishReason, Generation, SamplingParams
 from agents.evaluation import EvalConfig, avg_at_k, evaluate, pass_at_k
@@ -68,17 +68,14 @@ SCRIPT = {  # question -> each sample's turns (the k-th first turn asked for a q
 }
 
 
-class ScriptedEngine:
+class ScriptedEngine(ScriptedEngineBase):
     """Answers each episode from SCRIPT by the conversation it is given (the driver plays episodes
     concurrently, so the order of calls says nothing)."""
 
     def __init__(self, tokenizer: object) -> None:
         self.tokenizer = tokenizer
         self.started: Counter[str] = Counter()
-
-    @property
-    def version(self) -> int:
-        return 3
+        self._version = 3
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, *, request_id: str | None = None,
@@ -96,18 +93,6 @@ class ScriptedEngine:
             sample = next(i for i, turns in enumerate(SCRIPT[question]) if turns[0] in text)
         tokens = tuple(self.tokenizer.encode(SCRIPT[question][sample][turn], add_special_tokens=False))  # type: ignore[attr-defined]
         return Generation(tokens, (-0.5,) * len(tokens), (3,) * len(tokens), FinishReason.STOP)
-
-    async def abort(self, request_id: str) -> None:
-        return None
-
-    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        return None
-
-    async def health(self) -> bool:
-        return True
-
-    async def aclose(self) -> None:
-        return None
 
 
 async def test_scripted_policy_is_scored_per_episode() -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
+from scripted import ScriptedEngineBase
 
 from agents.engine import EmbeddedEngine, FinishReason, Generation, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe
@@ -22,7 +23,7 @@ TASK = Task("t1", "What is 123 * 45?", ("5535",))
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(123 * 45)"}}</tool_call>'
 
 
-class ScriptedEngine:
+class ScriptedEngine(ScriptedEngineBase):
     """Plays fixed assistant turns through the engine protocol (a scripted policy, not a model).
 
     `abort_first` splits the first turn like an engine interrupted by a weight update: the first call
@@ -36,10 +37,6 @@ class ScriptedEngine:
         self._version = 0
         self.calls: list[list[int]] = []
         self._pending: list[int] = []
-
-    @property
-    def version(self) -> int:
-        return self._version
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, *, request_id: str | None = None,
@@ -57,18 +54,6 @@ class ScriptedEngine:
         if reason is FinishReason.ABORT:
             self._version += 1
         return generation
-
-    async def abort(self, request_id: str) -> None:
-        return None
-
-    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self._version = version
-
-    async def health(self) -> bool:
-        return True
-
-    async def aclose(self) -> None:
-        return None
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,14 @@ behaviour gap, and a tiny MoE that learns the demonstrations."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Literal
 
 import pytest
 import torch
 from helpers import ThreadServer
+from scripted import ScriptedEngineBase
 from transformers import PreTrainedTokenizerFast
 
 from agents.engine import FinishReason, Generation, SamplingParams
@@ -28,15 +29,11 @@ from trainer.sft import Demonstration, SFTConfig, demonstrations, is_easy, rende
 CODEMATH = load_tasks("codemath-train")
 
 
-class ScriptedEngine:
+class ScriptedEngine(ScriptedEngineBase):
     """Plays fixed assistant turns, given as token ids, through the engine protocol."""
 
     def __init__(self, turns: Sequence[Sequence[int]]) -> None:
         self.turns = [list(turn) for turn in turns]
-
-    @property
-    def version(self) -> int:
-        return 0
 
     async def generate(
         self,
@@ -48,18 +45,6 @@ class ScriptedEngine:
     ) -> Generation:
         tokens = tuple(self.turns.pop(0))
         return Generation(tokens, (-0.5,) * len(tokens), (0,) * len(tokens), FinishReason.STOP)
-
-    async def abort(self, request_id: str) -> None:
-        return None
-
-    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        return None
-
-    async def health(self) -> bool:
-        return True
-
-    async def aclose(self) -> None:
-        return None
 
 
 def model_turns(demo: Demonstration) -> list[list[int]]:

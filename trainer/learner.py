@@ -18,6 +18,7 @@ were). Routes recorded for another model shape are a configuration error: ValueE
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 from collections import Counter
@@ -241,6 +242,7 @@ class Learner:
 
     def _prepare(self, groups: Sequence[Sequence[Trajectory]]) -> _Prepared:
         prepared = _Prepared([], [], [])
+        kept_groups = 0
         for group in groups:
             members = [t for t in group if t.reward is not None]
             self.counts["failed_member"] += len(group) - len(members)
@@ -251,7 +253,7 @@ class Learner:
                 self.counts["zero_advantage"] += 1
                 continue
             advantages = self._advantages(values)
-            index = len({*prepared.group_index})
+            index, kept_groups = kept_groups, kept_groups + 1
             for trajectory, advantage in zip(members, advantages.tolist(), strict=True):
                 if trajectory.num_model_tokens == 0:
                     self.counts["empty_response"] += 1
@@ -273,8 +275,10 @@ class Learner:
     def _micro_batches(self, prepared: _Prepared) -> list[list[int]]:
         """Indices of whole groups, about `micro_batch_size` sequences per chunk."""
         chunks: list[list[int]] = [[]]
-        for group in dict.fromkeys(prepared.group_index):
-            members = [i for i, g in enumerate(prepared.group_index) if g == group]
+        # A group's members are appended together, so they are one consecutive run of indices.
+        positions = range(len(prepared.group_index))
+        for _, run in itertools.groupby(positions, key=prepared.group_index.__getitem__):
+            members = list(run)
             if chunks[-1] and len(chunks[-1]) + len(members) > self.config.micro_batch_size:
                 chunks.append([])
             chunks[-1].extend(members)

@@ -6,6 +6,7 @@ into one table and one plot.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import subprocess
@@ -167,3 +168,47 @@ def plot_curves(summaries: Sequence[Mapping[str, Any]], path: Path, title: str) 
     axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every comparison takes."""
+    parser.add_argument("--env", default="pacerl/CodeMath-v0")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds")
+    parser.add_argument("--sft-steps", type=int, default=75)
+    parser.add_argument("--eval-tasks", type=int, default=100)
+    parser.add_argument("--set", action="append", default=[], help="extra key=value for every arm")
+
+
+def prepare(args: argparse.Namespace, name: str, base: Mapping[str, Any]) -> tuple[str, Path, dict[str, Any]]:
+    """(env slug, runs directory, base config): the shared warm start made, `--set` applied."""
+    slug = args.env.split("/")[-1].lower()
+    runs = ROOT / "runs" / "experiments" / f"{name}-{slug}"
+    model = warm_start(runs / "warm-start", args.env, args.sft_steps)
+    settings = {"model.path": str(model), "env.id": args.env, **base}
+    settings["evaluation.settings.max_tasks"] = args.eval_tasks
+    settings.update(dict(item.split("=", 1) for item in args.set))
+    return slug, runs, settings
+
+
+def run_and_report(arm: Arm, base: Mapping[str, Any], runs: Path) -> dict[str, Any]:
+    """`run_arm`, with one progress line."""
+    summary = run_arm(arm, base, runs)
+    print(json.dumps({k: summary.get(k) for k in ("arm", "seed", "eval_end", "steps")}), flush=True)
+    return summary
+
+
+def write_results(
+    stem: str,
+    heading: str,
+    title: str,
+    summaries: Sequence[Mapping[str, Any]],
+    columns: Sequence[tuple[str, str]],
+) -> str:
+    """`results/<stem>.{md,json,png}`; returns the markdown table."""
+    out = ROOT / "benchmarks" / "experiments" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(summaries, columns)
+    (out / f"{stem}.md").write_text(f"{heading}\n\n{table}")
+    (out / f"{stem}.json").write_text(json.dumps(list(summaries), indent=2) + "\n")
+    plot_curves(summaries, out / f"{stem}.png", title)
+    return table

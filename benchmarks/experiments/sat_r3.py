@@ -13,14 +13,13 @@ recovering). Results go to benchmarks/experiments/results/sat_r3-<env>.{md,json,
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, Arm, markdown_table, plot_curves, run_arm, warm_start
+from common import Arm, add_common_arguments, prepare, run_and_report, write_results
 
 
 def arms(lags: list[int]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -41,33 +40,21 @@ def arms(lags: list[int]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--env", default="pacerl/CodeMath-v0")
+    add_common_arguments(parser)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--lags", default="1,8")
-    parser.add_argument("--seeds", default="0")
-    parser.add_argument("--sft-steps", type=int, default=75)
-    parser.add_argument("--eval-tasks", type=int, default=100)
-    parser.add_argument("--set", action="append", default=[], help="extra key=value for every arm")
     args = parser.parse_args()
-    slug = args.env.split("/")[-1].lower()
-    runs = ROOT / "runs" / "experiments" / f"sat_r3-{slug}"
-    model = warm_start(runs / "warm-start", args.env, args.sft_steps)
-    base: dict[str, Any] = {
-        "model.path": str(model),
-        "env.id": args.env,
+    base = {
         "loop.mode": "async",
         "loop.steps": args.steps,
         "loop.batch_groups": 16,
         "evaluation.every": max(1, args.steps // 6),
-        "evaluation.settings.max_tasks": args.eval_tasks,
     }
-    base.update(dict(item.split("=", 1) for item in args.set))
+    slug, runs, base = prepare(args, "sat_r3", base)
     summaries = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for name, overrides, extra in arms([int(lag) for lag in args.lags.split(",")]):
-            summaries.append(run_arm(Arm(name, overrides, seed, extra=extra), base, runs))
-            shown = {k: summaries[-1].get(k) for k in ("arm", "seed", "eval_end", "steps")}
-            print(json.dumps(shown), flush=True)
+            summaries.append(run_and_report(Arm(name, overrides, seed, extra=extra), base, runs))
     columns = [
         ("loss", "loss"),
         ("r3", "R3"),
@@ -81,13 +68,9 @@ def main() -> None:
         ("sat_gate_rate", "SAT gate rate"),
         ("collapse_step", "collapse step"),
     ]
-    out = ROOT / "benchmarks" / "experiments" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(summaries, columns)
-    (out / f"sat_r3-{slug}.md").write_text(f"SAT and R3 on {args.env}, {args.steps} steps per arm\n\n{table}")
-    (out / f"sat_r3-{slug}.json").write_text(json.dumps(summaries, indent=2) + "\n")
-    plot_curves(summaries, out / f"sat_r3-{slug}.png", f"{args.env}: GSPO vs SAT-GSPO, with and without R3")
-    print(table)
+    heading = f"SAT and R3 on {args.env}, {args.steps} steps per arm"
+    title = f"{args.env}: GSPO vs SAT-GSPO, with and without R3"
+    print(write_results(f"sat_r3-{slug}", heading, title, summaries, columns))
 
 
 if __name__ == "__main__":
