@@ -95,12 +95,12 @@ def rewards(run_dir: Path) -> list[float]:
 def test_training_raises_the_reward(warm_model: tuple[Path, Path], tmp_path: Path, mode: str) -> None:
     evaluation = {"every": 8, "at_start": True, "at_end": True, "tasks": str(warm_model[1])}
     config = config_from_dict(
-        small_run(warm_model, tmp_path / mode, loop={"mode": mode}, evaluation=evaluation)
+        small_run(warm_model, tmp_path / mode, loop={"mode": mode, "steps": 32}, evaluation=evaluation)
     )
     summary = asyncio.run(train(config))
     # Greedy evaluations on the side: before training, in the background every 8 steps, at the end.
     evaluations = summary["evaluations"]
-    assert [e["step"] for e in evaluations] == [0, 8, 16, 24]
+    assert [e["step"] for e in evaluations] == [0, 8, 16, 24, 32]
     assert [e["version"] for e in evaluations] == sorted(e["version"] for e in evaluations)
     assert evaluations[-1]["version"] == summary["version"]
     assert all(0.0 <= e["eval/accuracy"] <= 1.0 for e in evaluations)
@@ -112,10 +112,11 @@ def test_training_raises_the_reward(warm_model: tuple[Path, Path], tmp_path: Pat
     ]
     assert (tmp_path / mode / "model" / "config.json").is_file()  # the trained model, ready for pacerl eval
     curve = rewards(tmp_path / mode)
-    assert summary["step"] == 24 and len(curve) == 24
-    first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
+    assert summary["step"] == 32 and len(curve) == 32
+    # Sampled rewards of 32 episodes are noisy (single steps dip by 0.3), so compare window means.
+    first, last = sum(curve[:5]) / 5, sum(curve[-8:]) / 8
     assert last > first + 0.15, curve
-    assert summary["version"] >= 18  # most steps updated the weights
+    assert summary["version"] >= 24  # most steps updated the weights
     metrics = [row for row in read_metrics(tmp_path / mode / "metrics.jsonl") if row.get("updated")][-1]
     for key in ("entropy", "grad_norm", "clip_fraction", "sat_gate_rate", "mismatch", "staleness/mean_gs"):
         assert key in metrics
