@@ -7,6 +7,7 @@ import string
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from envs.parsing import extract_boxed, extract_tag
 
@@ -29,6 +30,9 @@ def math_equal(answer: str, gold: str) -> bool:
     """Mathematical equivalence by math-verify (so `0.5`, `1/2` and `\\frac{1}{2}` agree), not strings."""
     if not answer.strip():
         return False
+    plain = _plain_number(answer), _plain_number(gold)
+    if None not in plain:  # both plain numerals: exact rational comparison, 2 us instead of ~7 ms
+        return plain[0] == plain[1]
     from math_verify import parse, verify  # imported late: it pulls in sympy, seconds at start-up
 
     try:
@@ -37,6 +41,21 @@ def math_equal(answer: str, gold: str) -> bool:
         return bool(parsed_gold and parsed_answer and verify(parsed_gold, parsed_answer))
     except Exception:  # math-verify raises on some pathological inputs; such an answer is wrong
         return False
+
+
+_PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def _plain_number(text: str) -> Fraction | None:
+    """The value of an integer, decimal or fraction numeral like `-12`, `0.5` or `3/4`; None for
+    anything else (LaTeX, units, thousands separators), which goes to math-verify."""
+    text = text.strip()
+    if not _PLAIN_NUMBER.fullmatch(text):
+        return None
+    try:
+        return Fraction(text)
+    except ZeroDivisionError:
+        return None
 
 
 def normalize_answer(text: str) -> str:

@@ -11,6 +11,7 @@ is kept in `Task.metadata`. The shipped files in envs/data/ were made by the gen
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import Iterable, Mapping, Sequence
@@ -77,12 +78,12 @@ def load_tasks(source: str | Path, split: str = "train") -> list[Task]:
     shipped = DATA_DIR / f"{source}.jsonl"
     if not path.exists() and shipped.exists():
         path = shipped
-    if path.suffix == ".jsonl" or (path.exists() and path.suffix == ".json"):
-        return _from_rows(_read_jsonl(path))
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return _from_rows(pq.read_table(path).to_pylist())
+    if path.suffix in (".jsonl", ".parquet") or (path.exists() and path.suffix == ".json"):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such task file") from None
+        return list(_read_task_file(path.resolve(), stat.st_mtime_ns, stat.st_size))
     if path.exists() and path.is_file():
         raise ValueError(f"{path}: task files must be .jsonl or .parquet")
     try:
@@ -92,6 +93,17 @@ def load_tasks(source: str | Path, split: str = "train") -> list[Task]:
             f"{source!r} is no task file or shipped set, and `datasets` is not installed"
         ) from None
     return _from_rows(datasets.load_dataset(str(source), split=split))
+
+
+@functools.lru_cache(maxsize=32)
+def _read_task_file(path: Path, mtime_ns: int, size: int) -> tuple[Task, ...]:
+    """The tasks of one file, cached by path, modification time and size: every env of a run (one per
+    episode) reads its task file, and parsing 2,000 rows each time cost more than the episode."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return tuple(_from_rows(pq.read_table(path).to_pylist()))
+    return tuple(_from_rows(_read_jsonl(path)))
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

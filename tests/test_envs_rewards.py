@@ -56,3 +56,14 @@ def test_boxed_and_answer_tag_rewards() -> None:
     tagged = answer_tag_reward("<answer>explorer Orlo</answer>", ["Orlo"])
     assert (tagged.total, tagged.breakdown()["f1"]) == (0.0, pytest.approx(2 / 3))
     assert answer_tag_reward("<answer> </answer>", ["x"]).breakdown()["f1"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("answer", "gold"),
+    [("606", "620"), ("620", "620"), ("2.0", "2"), ("-3", "3"), ("-3", "-3"), ("3/4", "0.75"), ("0.1", "1/3")],
+)
+def test_plain_numerals_agree_with_math_verify(answer: str, gold: str) -> None:
+    """Plain numerals take a fast exact path; its verdict is math-verify's."""
+    from math_verify import parse, verify
+
+    assert math_equal(answer, gold) is bool(verify(parse(f"${gold}$"), parse(f"${answer}$")))
