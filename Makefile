@@ -8,11 +8,13 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,ray]'
 	touch $(STAMP)
 
+# The main job: the default `pacerl train` (teacher SFT warm start, then async SAT-GSPO + PACE + R3 on
+# pacerl/CodeMath-v0 with the local sandbox), in a fresh run directory each time.
 demo: $(STAMP)
-	$(BIN)/pacerl demo
+	$(BIN)/pacerl train run_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
@@ -34,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/rollout.py
 	$(BIN)/python benchmarks/pool.py
 	$(BIN)/python benchmarks/trainer.py
+	$(BIN)/python benchmarks/ray.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

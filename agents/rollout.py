@@ -9,7 +9,9 @@ Generated tokens become model segments, one per run of a single policy version: 
 finishes a request under new weights reports the switch in its per-token versions, and an engine
 that aborts for a weight update (SGLang) is resumed with the accumulated tokens, which again starts a
 new segment. Failures never kill the batch: a trajectory ends `failed` with its reason, the group
-policy keeps or drops its group, and every outcome is counted.
+policy keeps or drops its group, and every outcome is counted. An env or engine that lost an episode's
+state for good (a distributed worker that died and could not replay it) raises `envs.EpisodeLost`: the
+episode is played again from its start under the same id (requeued), never counted twice.
 """
 
 from __future__ import annotations
@@ -21,15 +23,32 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from agents.engine.embedded import ContextOverflowError
 from agents.engine.protocol import Engine, FinishReason, Generation, SamplingParams
 from agents.routing import RoutedExperts
 from agents.trajectory import Origin, Status, Trajectory
-from envs import Message, Task, ToolEnv
+from envs import EpisodeLost, Message, Task
 
 log = logging.getLogger(__name__)
+
+_LOST = "episode lost"
+"""The start of the failure reason of an episode whose env or engine raised `EpisodeLost`."""
+
+
+class EpisodeEnv(Protocol):
+    """What the driver needs of an env: a `ToolEnv`, or a proxy of one living elsewhere (a Ray worker)."""
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[tuple[Message, ...], dict[str, Any]]: ...
+
+    def tool_schemas(self) -> list[dict[str, Any]]: ...
+
+    async def astep(self, action: str) -> tuple[tuple[Message, ...], float, bool, bool, dict[str, Any]]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -71,7 +90,7 @@ class RolloutDriver:
         self,
         engine: Engine,
         tokenizer: Any,
-        make_env: Callable[[], ToolEnv],
+        make_env: Callable[[], EpisodeEnv],
         config: RolloutConfig | None = None,
         *,
         num_experts: int = 0,
@@ -84,7 +103,7 @@ class RolloutDriver:
         """Experts per MoE layer of the engine's model (0 for a dense model: no routes recorded)."""
         self.counts: Counter[str] = Counter()
         """Outcomes so far: `status:<status>`, `reason:<reason>`, `resumed`, `dropped_groups`,
-        `resumed_from_checkpoint`, `resume_tool_output_changed`."""
+        `resumed_from_checkpoint`, `resume_tool_output_changed`, `requeued`."""
         self._groups: dict[str, dict[str, Trajectory]] = {}
         self._ids = itertools.count()
         self._eos_text = tokenizer.eos_token or ""
@@ -138,19 +157,27 @@ class RolloutDriver:
     ) -> Trajectory:
         """One episode; always returns a finished trajectory (failures included). `partial`: a running
         record of this episode from an earlier run, continued in place: its turns are replayed into a
-        fresh env (tools run again) and generation goes on from its last token."""
-        env = self.make_env()
-        try:
-            trajectory = await self._play(env, task, group_id, trajectory_id, partial)
-        finally:
-            env.close()
+        fresh env (tools run again) and generation goes on from its last token. An episode whose env
+        or engine raises `EpisodeLost` starts over (at most `engine_retries` times, then it fails)."""
+        for attempt in itertools.count():
+            env = self.make_env()
+            try:
+                trajectory = await self._play(env, task, group_id, trajectory_id, partial)
+            finally:
+                env.close()
+            lost = trajectory.status is Status.FAILED and trajectory.status_reason.startswith(_LOST)
+            if not lost or attempt >= self.config.engine_retries:
+                break
+            log.warning("%s: %s; playing it again from the start", trajectory_id, trajectory.status_reason)
+            self.counts["requeued"] += 1
+            partial = None
         self.counts[f"status:{trajectory.status.value}"] += 1
         if trajectory.status is not Status.COMPLETED:
             self.counts[f"reason:{trajectory.status_reason}"] += 1
         return trajectory
 
     async def _play(
-        self, env: ToolEnv, task: Task, group_id: str, trajectory_id: str, partial: Trajectory | None
+        self, env: EpisodeEnv, task: Task, group_id: str, trajectory_id: str, partial: Trajectory | None
     ) -> Trajectory:
         observation, _ = env.reset(options={"task": task})
         messages: list[Message] = list(observation)
@@ -161,8 +188,24 @@ class RolloutDriver:
             raise ValueError(f"record {trajectory.id!r} ({trajectory.task_id!r}) is not this episode")
         if group_id in self._groups:
             self._groups[group_id][trajectory_id] = trajectory
+        try:
+            return await self._turns(env, trajectory, prompt, messages, tools, resuming=partial is not None)
+        except EpisodeLost as lost:
+            return self._finish(trajectory, Status.FAILED, f"{_LOST}: {lost}", 0.0)
+
+    async def _turns(
+        self,
+        env: EpisodeEnv,
+        trajectory: Trajectory,
+        prompt: list[int],
+        messages: list[Message],
+        tools: list[dict[str, Any]] | None,
+        *,
+        resuming: bool,
+    ) -> Trajectory:
+        """The episode's turns until it ends (after replaying a saved record's turns if `resuming`)."""
         pending: tuple[list[int], bool] = ([], False)
-        if partial is not None:
+        if resuming:
             replayed = await self._replay(env, trajectory, prompt, messages, tools)
             if isinstance(replayed, str):
                 return self._finish(trajectory, Status.FAILED, replayed, 0.0)
@@ -209,7 +252,7 @@ class RolloutDriver:
 
     async def _replay(
         self,
-        env: ToolEnv,
+        env: EpisodeEnv,
         trajectory: Trajectory,
         prompt: list[int],
         messages: list[Message],
@@ -257,6 +300,7 @@ class RolloutDriver:
                     list(trajectory.tokens),
                     sampling,
                     return_routed_experts=self.num_experts > 0 and self.config.record_routes,
+                    session=trajectory.id,
                 )
             except ContextOverflowError as error:
                 return f"context overflow: {error}"

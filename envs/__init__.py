@@ -10,7 +10,7 @@ This package imports only `sandbox` from the project.
 
 import gymnasium
 
-from envs.base import ToolEnv, ToolEnvConfig
+from envs.base import EpisodeLost, ToolEnv, ToolEnvConfig
 from envs.parsing import Parsed, ParseError, ToolCall, extract_boxed, extract_tag, parse_actions
 from envs.rewards import Reward
 from envs.spaces import ChatMessages, Message, UnicodeText
@@ -30,6 +30,7 @@ __all__ = [
     "ENV_IDS",
     "TOOLS",
     "ChatMessages",
+    "EpisodeLost",
     "Message",
     "ParseError",
     "Parsed",

@@ -26,6 +26,12 @@ from envs.tools.core import Tool, ToolContext, ToolError, get_tool
 log = logging.getLogger(__name__)
 
 
+class EpisodeLost(Exception):  # noqa: N818 (an event, like StopIteration, not a bug report)
+    """Raised by an env (a proxy of one on a remote worker) that lost its episode's state and cannot
+    rebuild it; the rollout driver plays the episode again from its start under the same id. Not a
+    RuntimeError on purpose: the driver's handling of failed engine calls must not swallow it."""
+
+
 @dataclass(frozen=True)
 class ToolEnvConfig:
     """Episode limits and tool handling, shared by every tool env."""

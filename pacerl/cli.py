@@ -11,8 +11,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pacerl.calibrate import add_calibrate_parser
 from pacerl.evaluate import add_eval_parser
 from pacerl.plots import add_plot_parser
+from pacerl.simulate import add_simulate_parser
 from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
 
 
@@ -146,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(commands)
     add_plot_parser(commands)
+    add_simulate_parser(commands)
+    add_calibrate_parser(commands)
 
     sandbox = commands.add_parser("sandbox", help="run code in a sandbox").add_subparsers(
         dest="sandbox_command", required=True

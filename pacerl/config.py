@@ -76,10 +76,14 @@ class WarmStartSpec:
     when: Literal["fresh", "always", "never"] = "fresh"
     """fresh: only for a model built from `model.tiny` (a loaded checkpoint is taken as warm already);
     always; never."""
-    steps: int = 75
-    """Optimizer steps; LEARNABILITY.md's skill gap: stop while greedy accuracy is 30-50%."""
-    style: Literal["clean", "teacher"] = "clean"
-    """Demonstrations: clean tool use, or the teacher's behaviour gap (CodeMath only)."""
+    steps: int | None = None
+    """Optimizer steps; None: 300 for the teacher (its behaviour gap is in place by then) and 75 for
+    clean demonstrations (LEARNABILITY.md's skill gap: stop while greedy accuracy is 30-50%)."""
+    style: Literal["auto", "clean", "teacher"] = "auto"
+    """Demonstrations: clean tool use, or the teacher's behaviour gap (CodeMath only: on easy problems
+    it answers directly, so the student skips the tool where it cannot compute); auto: the teacher on
+    CodeMath, clean elsewhere. On this CPU RL closes the behaviour gap within minutes (+50 points in
+    20 steps) but the clean skill gap only slowly (+5 in 48 steps): see the README."""
     batch_size: int = 64
     """Demonstrations per step."""
     lr: float = 2e-3
@@ -88,10 +92,19 @@ class WarmStartSpec:
     """Tasks to demonstrate; None: the env's training tasks."""
 
     def __post_init__(self) -> None:
-        if self.when not in ("fresh", "always", "never") or self.style not in ("clean", "teacher"):
-            raise ValueError("sft.when must be fresh, always or never and sft.style clean or teacher")
-        if self.steps < 0 or self.batch_size < 1 or not self.lr > 0:
+        if self.when not in ("fresh", "always", "never") or self.style not in ("auto", "clean", "teacher"):
+            raise ValueError("sft.when must be fresh, always or never and sft.style auto, clean or teacher")
+        if (self.steps is not None and self.steps < 0) or self.batch_size < 1 or not self.lr > 0:
             raise ValueError("sft.steps must be >= 0, sft.batch_size >= 1 and sft.lr > 0")
+
+    def resolved(self, env_id: str) -> tuple[Literal["clean", "teacher"], int]:
+        """(style, steps) for a warm start on `env_id`, with `auto` and None filled in."""
+        style: Literal["clean", "teacher"]
+        if self.style == "auto":
+            style = "teacher" if env_id == "pacerl/CodeMath-v0" else "clean"
+        else:
+            style = self.style
+        return style, self.steps if self.steps is not None else (300 if style == "teacher" else 75)
 
 
 def _greedy_eval() -> EvalConfig:
@@ -103,7 +116,7 @@ class EvalSpec:
     """Evaluation during training: the model is scored on held-out tasks by a second engine holding a
     snapshot of the weights, in the background, labelled with the policy version it evaluated."""
 
-    every: int = 0
+    every: int = 10
     """Steps between evaluations (0: none during training)."""
     at_start: bool = True
     """Evaluate before the first step (after the warm start)."""
@@ -117,6 +130,62 @@ class EvalSpec:
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError(f"evaluation.every must be >= 0, got {self.every}")
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    """Where the parts go with `runtime = "ray"` (docs/ray.md): engine replicas, environment workers and
+    the trainer run as Ray actors; the rollout driver, the pool and its filter stay in the driver."""
+
+    address: str | None = None
+    """The cluster to join (`auto`, `host:6379`, `ray://host:10001`); None starts a local one for the
+    run (or uses the cluster this process has already joined)."""
+    num_cpus: int | None = None
+    """CPUs of the local cluster started when `address` is None; None: all of this machine's."""
+    num_engine_replicas: int = 2
+    """Engine actors generating rollouts: embedded engines, or (engine_backend=sglang) clients of the
+    servers in `sglang_urls`, one each."""
+    num_env_workers: int = 1
+    """Actors hosting the episodes' environments and their sandboxes; 0 keeps them in the driver."""
+    engine_cpus: float = 0.5
+    """CPUs Ray reserves for each engine replica; its torch threads are as many (at least one)."""
+    engine_gpus: float = 0.0
+    """GPUs reserved for each engine replica; above 0 an embedded engine runs on its GPU."""
+    env_cpus: float = 0.25
+    """CPUs Ray reserves for each environment worker."""
+    trainer_cpus: float = 0.5
+    """CPUs Ray reserves for the trainer actor; its torch threads are as many (at least one)."""
+    trainer_gpus: float = 0.0
+    """GPUs reserved for the trainer actor (the source of an NCCL broadcast)."""
+    max_restarts: int = 3
+    """Times each engine replica and environment worker is replaced by a new actor after it dies (a
+    crash, `ray.kill`, a lost node) before the run gives up on it."""
+    restart_timeout_s: float = 300.0
+    """Seconds the actors may take to start, and an unreachable one to answer again before it is
+    replaced."""
+    sglang_urls: tuple[str, ...] = ()
+    """engine_backend=sglang: one server per replica (empty: `sglang.url`, one replica)."""
+    weight_sync: Literal["object_store", "broadcast"] = "object_store"
+    """How published weights reach the replicas: one copy put in Ray's object store that every replica
+    reads, or a torch.distributed broadcast from the trainer actor (NCCL between GPUs)."""
+    broadcast_backend: Literal["nccl", "gloo"] = "nccl"
+    """The torch.distributed backend of `weight_sync = "broadcast"`: nccl between GPUs, gloo on CPUs."""
+
+    def __post_init__(self) -> None:
+        if self.num_engine_replicas < 1 or self.num_env_workers < 0 or self.max_restarts < 0:
+            raise ValueError("ray.num_engine_replicas >= 1, num_env_workers >= 0, max_restarts >= 0")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"ray.num_cpus must be >= 1 or None, got {self.num_cpus}")
+        resources = (self.engine_cpus, self.engine_gpus, self.env_cpus, self.trainer_cpus, self.trainer_gpus)
+        if min(resources) < 0 or not self.restart_timeout_s > 0:
+            raise ValueError("ray: CPUs and GPUs must be >= 0 and restart_timeout_s > 0")
+        if self.weight_sync not in ("object_store", "broadcast"):
+            raise ValueError(f"ray.weight_sync must be object_store or broadcast, got {self.weight_sync!r}")
+        if self.broadcast_backend not in ("nccl", "gloo"):
+            raise ValueError(f"ray.broadcast_backend must be nccl or gloo, got {self.broadcast_backend!r}")
+        nccl = self.weight_sync == "broadcast" and self.broadcast_backend == "nccl"
+        if nccl and not (self.engine_gpus > 0 and self.trainer_gpus > 0):
+            raise ValueError("ray.broadcast_backend=nccl needs ray.engine_gpus and ray.trainer_gpus > 0")
 
 
 def _default_rollout() -> RolloutConfig:
@@ -162,10 +231,14 @@ class RunConfig:
     """Loss, advantages, optimizer, R3."""
     filter: FilterConfig = field(default_factory=_default_filter)
     """The pool's staleness filter and rollout admission (PACE's target: one batch waiting plus half)."""
-    loop: LoopConfig = field(default_factory=lambda: LoopConfig(batch_groups=16))
+    loop: LoopConfig = field(default_factory=lambda: LoopConfig(steps=40, batch_groups=16))
     """Sync or async, steps, batch size, publication interval, checkpoints."""
     evaluation: EvalSpec = field(default_factory=EvalSpec)
     """Evaluation on held-out tasks during and after training."""
+    runtime: Literal["local", "ray"] = "local"
+    """Where the parts run: all in this process, or as Ray actors (see `ray`); the same code either way."""
+    ray: RaySpec = field(default_factory=RaySpec)
+    """The Ray cluster and the actors of `runtime = "ray"`."""
 
     def __post_init__(self) -> None:
         if self.engine_backend not in ("embedded", "sglang"):
@@ -179,6 +252,17 @@ class RunConfig:
             )
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.runtime not in ("local", "ray"):
+            raise ValueError(f"runtime must be local or ray, got {self.runtime!r}")
+        if self.runtime == "ray" and self.engine_backend == "sglang":
+            servers = len(self.ray.sglang_urls) or 1
+            if servers != self.ray.num_engine_replicas:
+                raise ValueError(
+                    f"ray.num_engine_replicas ({self.ray.num_engine_replicas}) must equal the SGLang servers "
+                    f"({servers}: ray.sglang_urls, or sglang.url alone)"
+                )
+            if self.ray.weight_sync == "broadcast":
+                raise ValueError("ray.weight_sync=broadcast is for embedded engines; SGLang loads from disk")
         sampled = self.rollout.sampling.temperature
         if sampled <= 0:
             raise ValueError("rollout.sampling.temperature must be > 0 (RL learns from sampled log-probs)")

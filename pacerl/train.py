@@ -26,14 +26,14 @@ from agents.engine.protocol import Engine
 from agents.engine.sglang import SGLangEngine
 from agents.evaluation import evaluate
 from agents.models import build_tiny_moe, load_model, moe_info, save_model
-from agents.rollout import RolloutDriver
+from agents.rollout import EpisodeEnv, RolloutDriver
 from agents.tokenizer import tiny_tokenizer
 from envs import ENV_IDS, Task, ToolEnv, ToolEnvConfig, load_tasks
 from pacerl.config import ConfigError, RunConfig, load_config, save_config
 from pacerl.evaluate import VALIDATION_TASKS, local_retriever
 from pacerl.plots import plot_run
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
-from trainer.learner import Learner
+from trainer.learner import Learner, LearnerLike
 from trainer.loop import Run, train_async, train_sync
 from trainer.pool import TrajectoryPool
 from trainer.sft import SFTConfig, demonstrations, sft
@@ -62,10 +62,12 @@ def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
     if spec.retriever_url is not None:
         options = replace(options, settings={"retriever_url": spec.retriever_url})
 
+    env_id = spec.id  # the maker holds nothing of pacerl.config: Ray env workers unpickle it without torch
+
     def make() -> ToolEnv:
         env = env_class(tasks=tasks, config=options) if tasks is not None else env_class(config=options)
         if not isinstance(env, ToolEnv):
-            raise TypeError(f"{spec.id} made a {type(env).__name__}, not a ToolEnv")
+            raise TypeError(f"{env_id} made a {type(env).__name__}, not a ToolEnv")
         return env
 
     return make
@@ -99,9 +101,20 @@ def build_run(
     make_env: Callable[[], ToolEnv],
     tasks: Sequence[Task],
 ) -> Run:
-    """Every part of a run, wired as `config` says (nothing runs yet)."""
+    """Every part of a run, wired as `config` says (nothing runs yet, but with `runtime = "ray"` the
+    actors are up)."""
     engine: Engine
-    if config.engine_backend == "sglang":
+    learner: LearnerLike
+    make_episode: Callable[[], EpisodeEnv] = make_env
+    runtime = None
+    if config.runtime == "ray":
+        try:
+            from pacerl.runtime_ray import RayRuntime  # Ray is an optional extra
+        except ImportError as error:
+            raise ConfigError(f"runtime=ray needs Ray ({error}): pip install 'pacerl[ray]'") from None
+        runtime = RayRuntime(config, run_dir, model, tokenizer, make_env)
+        engine, learner, make_episode = runtime.engine, runtime.learner, runtime.make_env
+    elif config.engine_backend == "sglang":
         options = replace(
             config.sglang,
             weights_dir=config.sglang.weights_dir or str(run_dir / "weights"),
@@ -110,9 +123,10 @@ def build_run(
         engine = SGLangEngine(options)
     else:
         engine = EmbeddedEngine(build_twin(model), tokenizer, config.engine)
-    driver = RolloutDriver(engine, tokenizer, make_env, config.rollout, num_experts=_num_experts(model))
-    learner = Learner(model, config.learner, pad_id=int(tokenizer.pad_token_id or 0))
-    return Run(
+    if runtime is None:
+        learner = Learner(model, config.learner, pad_id=int(tokenizer.pad_token_id or 0))
+    driver = RolloutDriver(engine, tokenizer, make_episode, config.rollout, num_experts=_num_experts(model))
+    run = Run(
         learner=learner,
         engine=engine,
         driver=driver,
@@ -121,6 +135,9 @@ def build_run(
         config=config.loop,
         run_dir=run_dir,
     )
+    if runtime is not None:
+        runtime.attach(run)
+    return run
 
 
 def warm_start(
@@ -130,7 +147,8 @@ def warm_start(
     `tasks`, the training tasks); its first and last loss."""
     spec = config.sft
     fresh = config.model.path is None
-    if spec.steps == 0 or spec.when == "never" or (spec.when == "fresh" and not fresh):
+    style, steps = spec.resolved(config.env.id)
+    if steps == 0 or spec.when == "never" or (spec.when == "fresh" and not fresh):
         return {}
     if spec.tasks is not None:
         tasks = load_tasks(spec.tasks)
@@ -138,12 +156,12 @@ def warm_start(
         config.env.id,
         tasks,
         seed=config.seed,
-        style=spec.style,
+        style=style,
         system_prompt=config.env.system_prompt,
         tool_schemas=config.rollout.tool_schemas_in_prompt,
         tokenizer=tokenizer,
     )
-    sft_config = SFTConfig(lr=spec.lr, steps=spec.steps, batch_size=spec.batch_size, seed=config.seed)
+    sft_config = SFTConfig(lr=spec.lr, steps=steps, batch_size=spec.batch_size, seed=config.seed)
     losses = sft(model, demos, sft_config)
     return {"sft/first_loss": losses[0], "sft/last_loss": losses[-1], "sft/steps": float(len(losses))}
 
@@ -194,7 +212,9 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
         warmed = await asyncio.to_thread(warm_start, config, model, tokenizer, tasks)
         if warmed:
             save_model(model, tokenizer, run_dir / "warm_start")
-            log.info("SFT warm start: loss %.3f -> %.3f", warmed["sft/first_loss"], warmed["sft/last_loss"])
+            style, steps = config.sft.resolved(config.env.id)
+            first, last = warmed["sft/first_loss"], warmed["sft/last_loss"]
+            log.info("SFT warm start (%s, %d steps): loss %.3f -> %.3f", style, steps, first, last)
     run = build_run(config, run_dir, model, tokenizer, make_env, tasks)
     if checkpoint is not None:
         await run.restore(checkpoint)
@@ -217,6 +237,7 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
         if evaluator is not None:
             await evaluator.aclose()
         run.close_metrics()
+        await run.release()  # Ray: the trained weights come back into `model`, the actors stop
     save_model(model, tokenizer, run_dir / "model")  # what `pacerl eval --model` reads
     summary["plots"] = [str(path) for path in await asyncio.to_thread(plot_run, run_dir)]
     if evaluator is not None:

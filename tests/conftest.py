@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from helpers import build_warm_model
 
 from sandbox import Sandbox
 
@@ -67,3 +69,9 @@ def any_sandbox(request: pytest.FixtureRequest) -> Sandbox:
     fixture = {"local": "local_sandbox", "local-unshare": "unshare_sandbox", "docker": "docker_sandbox"}
     sandbox: Sandbox = request.getfixturevalue(fixture[request.param])
     return sandbox
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model dir, task file): the tiny MoE after a short SFT on Math-v0 sums (`helpers.build_warm_model`)."""
+    return build_warm_model(tmp_path_factory.mktemp("warm"))

@@ -1,13 +1,24 @@
-"""Helpers shared by test modules: free loopback ports and uvicorn servers on a thread."""
+"""Helpers shared by test modules: free loopback ports, uvicorn servers on a thread, and the short
+training runs on Math-v0 sums (tests/test_train.py, tests/test_ray.py)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import fastapi
+import torch
 import uvicorn
+
+from agents.models import TinyMoEConfig, build_tiny_moe, save_model
+from agents.tokenizer import tiny_tokenizer
+from envs import load_tasks
+from trainer.metrics import read_metrics
+from trainer.sft import SFTConfig, demonstrations, sft
 
 
 def free_port() -> int:
@@ -40,3 +51,62 @@ class ThreadServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self._thread.join(timeout=10)
+
+
+SUMS = [(3, 3), (2, 5), (7, 1), (4, 4), (6, 2), (1, 8), (5, 3), (9, 0)]
+"""The loop tests' tasks: eight one-digit sums on pacerl/Math-v0. Episodes are one short turn with no
+tool, so a step takes about half a second and the tests measure the loops, not the sandbox (the tool-
+using CodeMath run is `make demo`'s). Learning 100 sums from sparse reward takes far longer than a
+test; eight are learned within 20 steps."""
+
+
+def build_warm_model(root: Path) -> tuple[Path, Path]:
+    """(model dir, task file) under `root`: the tiny MoE after a short SFT on Math-v0 sums, so that
+    sampling finds the right sum now and then (about 5% of the time) and RL has something to reinforce.
+    Shared by the tests through conftest's session fixture `warm_model`."""
+    rows = [
+        {"id": f"add-{a}-{b}", "question": f"What is {a} + {b}?", "answer": str(a + b)}
+        for a in range(10)
+        for b in range(10)
+    ]
+    every = root / "sums.jsonl"
+    every.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    eight = root / "eight.jsonl"
+    eight.write_text(
+        "".join(
+            json.dumps(row) + "\n"
+            for row in rows
+            if (int(row["id"].split("-")[1]), int(row["id"].split("-")[2])) in SUMS
+        )
+    )
+    tokenizer = tiny_tokenizer()
+    model = build_tiny_moe(TinyMoEConfig(), tokenizer)
+    demos = demonstrations("pacerl/Math-v0", load_tasks(str(every)), tokenizer=tokenizer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sft(model, demos, SFTConfig(steps=30, batch_size=32, warmup_steps=10))
+    finally:
+        torch.set_num_threads(threads)
+    return save_model(model, tokenizer, root / "model"), eight
+
+
+def small_run(warm: tuple[Path, Path], run_dir: Path, **sections: Any) -> dict[str, Any]:
+    model, tasks = warm
+    base: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "model": {"path": str(model)},
+        "env": {"id": "pacerl/Math-v0", "tasks": str(tasks)},
+        "rollout": {"group_size": 8},
+        "learner": {"lr": 1e-3},
+        "loop": {"batch_groups": 4, "steps": 24},
+        "filter": {"target_groups": 4, "max_concurrent_groups": 4},
+        "evaluation": {"at_start": False, "at_end": False},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values} if isinstance(values, dict) else values
+    return base
+
+
+def rewards(run_dir: Path) -> list[float]:
+    return [row["reward"] for row in read_metrics(run_dir / "metrics.jsonl") if "reward" in row]

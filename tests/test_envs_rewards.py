@@ -60,7 +60,15 @@ def test_boxed_and_answer_tag_rewards() -> None:
 
 @pytest.mark.parametrize(
     ("answer", "gold"),
-    [("606", "620"), ("620", "620"), ("2.0", "2"), ("-3", "3"), ("-3", "-3"), ("3/4", "0.75"), ("0.1", "1/3")],
+    [
+        ("606", "620"),
+        ("620", "620"),
+        ("2.0", "2"),
+        ("-3", "3"),
+        ("-3", "-3"),
+        ("3/4", "0.75"),
+        ("0.1", "1/3"),
+    ],
 )
 def test_plain_numerals_agree_with_math_verify(answer: str, gold: str) -> None:
     """Plain numerals take a fast exact path; its verdict is math-verify's."""

@@ -79,7 +79,7 @@ class ScriptedEngine(ScriptedEngineBase):
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, *, request_id: str | None = None,
-        return_routed_experts: bool = False,
+        return_routed_experts: bool = False, session: str | None = None,
     ) -> Generation:  # fmt: skip
         text = self.tokenizer.decode(list(input_ids), skip_special_tokens=False)  # type: ignore[attr-defined]
         question = next(q for q in SCRIPT if q in text)

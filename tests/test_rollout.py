@@ -40,7 +40,7 @@ class ScriptedEngine(ScriptedEngineBase):
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, *, request_id: str | None = None,
-        return_routed_experts: bool = False,
+        return_routed_experts: bool = False, session: str | None = None,
     ) -> Generation:  # fmt: skip
         self.calls.append(list(input_ids))
         if not self._pending:

@@ -42,6 +42,7 @@ class ScriptedEngine(ScriptedEngineBase):
         *,
         request_id: str | None = None,
         return_routed_experts: bool = False,
+        session: str | None = None,
     ) -> Generation:
         tokens = tuple(self.turns.pop(0))
         return Generation(tokens, (-0.5,) * len(tokens), (0,) * len(tokens), FinishReason.STOP)

@@ -11,84 +11,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from helpers import ThreadServer
+from helpers import ThreadServer, rewards, small_run
 
 from agents.engine import EmbeddedEngine
 from agents.engine.sglang_standin import create_standin_app
-from agents.models import TinyMoEConfig, build_tiny_moe, load_model, save_model
-from agents.tokenizer import tiny_tokenizer
-from envs import load_tasks
+from agents.models import load_model
 from pacerl.config import ConfigError, config_from_dict, load_config
 from pacerl.train import train
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.metrics import read_metrics
-from trainer.sft import SFTConfig, demonstrations, sft
 
 ROOT = Path(__file__).resolve().parent.parent
-SUMS = [(3, 3), (2, 5), (7, 1), (4, 4), (6, 2), (1, 8), (5, 3), (9, 0)]
-"""The loop tests' tasks: eight one-digit sums on pacerl/Math-v0. Episodes are one short turn with no
-tool, so a step takes about half a second and the tests measure the loops, not the sandbox (the tool-
-using CodeMath run is `make demo`'s). Learning 100 sums from sparse reward takes far longer than a
-test; eight are learned within 20 steps."""
-
-
-@pytest.fixture(scope="session")
-def warm_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
-    """(model dir, task file): the tiny MoE after a short SFT on Math-v0 sums, so that sampling finds
-    the right sum now and then (about 5% of the time) and RL has something to reinforce."""
-    root = tmp_path_factory.mktemp("warm")
-    rows = [
-        {"id": f"add-{a}-{b}", "question": f"What is {a} + {b}?", "answer": str(a + b)}
-        for a in range(10)
-        for b in range(10)
-    ]
-    every = root / "sums.jsonl"
-    every.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    eight = root / "eight.jsonl"
-    eight.write_text(
-        "".join(
-            json.dumps(row) + "\n"
-            for row in rows
-            if (int(row["id"].split("-")[1]), int(row["id"].split("-")[2])) in SUMS
-        )
-    )
-    tokenizer = tiny_tokenizer()
-    model = build_tiny_moe(TinyMoEConfig(), tokenizer)
-    demos = demonstrations("pacerl/Math-v0", load_tasks(str(every)), tokenizer=tokenizer)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        sft(model, demos, SFTConfig(steps=30, batch_size=32, warmup_steps=10))
-    finally:
-        torch.set_num_threads(threads)
-    yield save_model(model, tokenizer, root / "model"), eight
-
-
-def small_run(warm: tuple[Path, Path], run_dir: Path, **sections: Any) -> dict[str, Any]:
-    model, tasks = warm
-    base: dict[str, Any] = {
-        "run_dir": str(run_dir),
-        "model": {"path": str(model)},
-        "env": {"id": "pacerl/Math-v0", "tasks": str(tasks)},
-        "rollout": {"group_size": 8},
-        "learner": {"lr": 1e-3},
-        "loop": {"batch_groups": 4, "steps": 24},
-        "filter": {"target_groups": 4, "max_concurrent_groups": 4},
-        "evaluation": {"at_start": False, "at_end": False},
-    }
-    for name, values in sections.items():
-        base[name] = {**base.get(name, {}), **values} if isinstance(values, dict) else values
-    return base
-
-
-def rewards(run_dir: Path) -> list[float]:
-    return [row["reward"] for row in read_metrics(run_dir / "metrics.jsonl") if "reward" in row]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -280,3 +216,42 @@ def test_the_commands_end_to_end(warm_model: tuple[Path, Path], tmp_path: Path) 
     result = json.loads(report.read_text())
     assert result["tasks"] == 8 and result["episodes"] == 16 and 0.0 <= result["pass_at_k"]["2"] <= 1.0
     assert "pass@2" in evaluated.stdout
+
+
+def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:
+    """The default config (fresh tiny model, teacher warm start, async SAT-GSPO + PACE + R3 on
+    CodeMath with the local sandbox) end to end, shrunk to seconds."""
+    run_dir = tmp_path / "default"
+    shrink = [
+        f"run_dir={run_dir}",
+        "sft.steps=4",
+        "loop.steps=2",
+        "loop.batch_groups=2",
+        "rollout.group_size=4",
+        "filter.target_groups=2",
+        "filter.max_concurrent_groups=2",
+        "evaluation.every=1",
+        "evaluation.settings.max_tasks=8",
+    ]
+    trained = subprocess.run(
+        [sys.executable, "-m", "pacerl", "train", *shrink], cwd=ROOT, capture_output=True, text=True
+    )
+    assert trained.returncode == 0, trained.stderr
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["env"]["id"] == "pacerl/CodeMath-v0" and saved["sft"]["style"] == "auto"
+    assert "SFT warm start (teacher, 4 steps)" in trained.stderr
+    assert (run_dir / "warm_start" / "config.json").is_file()
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows if "eval/accuracy" in row] == [0, 1, 2]
+    assert sum(row.get("trajectories", 0) for row in rows if "reward" in row) >= 16
+    assert (run_dir / "plots" / "reward.png").is_file() and (run_dir / "model" / "config.json").is_file()
+
+
+def test_the_warm_start_style_follows_the_env() -> None:
+    spec = config_from_dict({}).sft
+    assert spec.resolved("pacerl/CodeMath-v0") == ("teacher", 300)
+    assert spec.resolved("pacerl/Math-v0") == ("clean", 75)
+    assert config_from_dict({"sft": {"style": "clean", "steps": 9}}).sft.resolved("pacerl/CodeMath-v0") == (
+        "clean",
+        9,
+    )

@@ -22,9 +22,9 @@ import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -162,6 +162,26 @@ class StepResult:
     sat_contraction, mismatch, routing_disagreement, r3_coverage, tokens, tokens_per_s, ..."""
     trajectory_ids: tuple[str, ...]
     """Every trajectory of the batch (trained on or skipped: none of them will be seen again)."""
+
+
+class LearnerLike(Protocol):
+    """What the training loop needs of a learner: a `Learner` in this process, or a handle on one that
+    runs elsewhere (a Ray actor, `pacerl.runtime_ray.RemoteLearner`)."""
+
+    version: int
+    """Updates applied so far."""
+    counts: Counter[str]
+    """Skips and leave-outs by reason."""
+
+    def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> StepResult: ...
+
+    def prefix_drift(self, trajectories: Sequence[Trajectory]) -> list[float]: ...
+
+    def weights(self) -> Mapping[str, torch.Tensor]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass

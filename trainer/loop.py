@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from agents.rollout import RolloutDriver
 from agents.trajectory import Trajectory
 from envs import Task
 from trainer.checkpoint import Checkpoint, restore_rng, save_checkpoint
-from trainer.learner import Learner, StepResult
+from trainer.learner import LearnerLike, StepResult
 from trainer.metrics import MetricsWriter
 from trainer.pool import StalenessSummary, TrajectoryPool, staleness_summary
 
@@ -98,7 +99,7 @@ class Run:
     def __init__(
         self,
         *,
-        learner: Learner,
+        learner: LearnerLike,
         engine: Engine,
         driver: RolloutDriver,
         tasks: Sequence[Task],
@@ -126,6 +127,11 @@ class Run:
         """Called with each step's number and scalars (a progress display)."""
         self.after_step: list[Callable[[Run], Awaitable[None]]] = []
         """Awaited after every step (e.g. starting a background evaluation on a weight snapshot)."""
+        self.faults: Counter[str] = Counter()
+        """What a distributed runtime recovered from (lost actors, retried requests, resumed and
+        requeued trajectories); written as `faults/*` metrics, kept in checkpoints. Empty when local."""
+        self.on_release: list[Callable[[], Awaitable[None]]] = []
+        """Awaited by `release` once the run is over (a runtime stopping the actors it started)."""
         self._rejected_seen = 0
         self._started = time.time()
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -236,6 +242,7 @@ class Run:
         )
         scalars.update({f"rejected/{k}": float(v) for k, v in self.pool.rejections.items()})
         scalars.update({f"skipped/{k}": float(v) for k, v in self.learner.counts.items()})
+        scalars.update({f"faults/{k}": float(v) for k, v in self.faults.items()})
         bins = np.arange(len(staleness.gs_hist))
         histograms = {
             "staleness/generation": np.repeat(bins, staleness.gs_hist),
@@ -298,6 +305,7 @@ class Run:
             "dropped_groups": self.dropped_groups,
             "rejected_seen": self._rejected_seen,
             "driver_counts": dict(self.driver.counts),
+            "faults": dict(self.faults),
         }
         self._checkpointed_step = self.step
         return save_checkpoint(
@@ -321,6 +329,7 @@ class Run:
         self.dropped_groups = list(state["dropped_groups"])
         self._rejected_seen = int(state["rejected_seen"])
         self.driver.counts.update(state["driver_counts"])
+        self.faults.update(state.get("faults", {}))  # absent in checkpoints of runs before it existed
         self._saved_in_flight = {
             group_id: (Task.from_row(entry["task"]), [Trajectory.from_json(t) for t in entry["members"]])
             for group_id, entry in state["in_flight"].items()
@@ -338,6 +347,11 @@ class Run:
         await asyncio.gather(*jobs, return_exceptions=True)
         self._running.clear()
 
+    async def release(self) -> None:
+        """Run the `on_release` hooks, last registered first (after the loop and its evaluations)."""
+        while self.on_release:
+            await self.on_release.pop()()
+
     def close_metrics(self) -> None:
         """Close the metrics files (every line is already flushed)."""
         self.metrics.close()
@@ -352,6 +366,7 @@ class Run:
             "driver": dict(self.driver.counts),
             "dropped_groups": len(self.dropped_groups),
             "budget_spent": self.budget_spent,
+            "faults": dict(self.faults),
         }
 
 

@@ -172,8 +172,10 @@ class EmbeddedEngine:
         *,
         request_id: str | None = None,
         return_routed_experts: bool = False,
+        session: str | None = None,
     ) -> Generation:
-        """Generate from `input_ids`; returns when the request finishes or is aborted."""
+        """Generate from `input_ids`; returns when the request finishes or is aborted (`session` is
+        for routers: one engine has nothing to route)."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         self._bind()

@@ -102,7 +102,13 @@ class Engine(Protocol):
         *,
         request_id: str | None = None,
         return_routed_experts: bool = False,
-    ) -> Generation: ...
+        session: str | None = None,
+    ) -> Generation:
+        """Generate from `input_ids`. `session` names the episode the call belongs to (the rollout
+        driver passes the trajectory id): a router over several replicas sends the turns of one
+        session to the same replica, whose prefix cache holds their conversation; a single engine
+        ignores it."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 

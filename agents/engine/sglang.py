@@ -217,9 +217,11 @@ class SGLangEngine:
         *,
         request_id: str | None = None,
         return_routed_experts: bool = False,
+        session: str | None = None,
     ) -> Generation:
         """Generate from `input_ids` on the server. An abort (by `abort` or a weight update) returns
-        the tokens generated so far with `FinishReason.ABORT`."""
+        the tokens generated so far with `FinishReason.ABORT`. `session` is for routers over several
+        servers (one server's radix cache finds the shared prefix by itself)."""
         self._check_open()
         prompt = _prompt(input_ids)
         rid = request_id if request_id is not None else uuid.uuid4().hex

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.calibration import collapse_step
+
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY = "summary.json"
 
@@ -36,12 +38,13 @@ class Arm:
     """Columns carried into the table as they are (e.g. the publication lag)."""
 
 
-def warm_start(directory: Path, env_id: str, steps: int) -> Path:
-    """The shared SFT warm start of every arm (`pacerl sft`), made once."""
+def warm_start(directory: Path, env_id: str, steps: int | None) -> Path:
+    """The shared SFT warm start of every arm (`pacerl sft`, the run config's default warm start for
+    the env unless `steps` is given), made once."""
     if (directory / "config.json").is_file():
         return directory
     command = [sys.executable, "-m", "pacerl", "sft", "--out", str(directory), f"env.id={env_id}"]
-    subprocess.run([*command, f"sft.steps={steps}"], cwd=ROOT, check=True)
+    subprocess.run([*command, *([f"sft.steps={steps}"] if steps is not None else [])], cwd=ROOT, check=True)
     return directory
 
 
@@ -107,20 +110,6 @@ def summarise(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def collapse_step(rewards: Sequence[float], window: int = 10) -> int | None:
-    """ALGORITHMS.md §8's reconstruction: the first step where the EMA-smoothed reward (span `window`)
-    falls below half its running maximum and never climbs back to 80% of it; None if it never does."""
-    alpha, smoothed, peak, fell = 2 / (window + 1), None, -math.inf, None
-    for step, reward in enumerate(rewards, start=1):
-        smoothed = reward if smoothed is None else alpha * reward + (1 - alpha) * smoothed
-        peak = max(peak, smoothed)
-        if fell is None and peak > 0 and smoothed < 0.5 * peak:
-            fell = step
-        elif fell is not None and smoothed >= 0.8 * peak:
-            fell = None
-    return fell
-
-
 def _tail_mean(values: Sequence[float], share: float) -> float:
     tail = values[-max(1, int(len(values) * share)) :] if values else []
     return sum(tail) / len(tail) if tail else math.nan
@@ -174,7 +163,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every comparison takes."""
     parser.add_argument("--env", default="pacerl/CodeMath-v0")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds")
-    parser.add_argument("--sft-steps", type=int, default=75)
+    parser.add_argument("--sft-steps", type=int, default=None, help="default: the config's warm start")
     parser.add_argument("--eval-tasks", type=int, default=100)
     parser.add_argument("--set", action="append", default=[], help="extra key=value for every arm")
 

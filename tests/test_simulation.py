@@ -1,0 +1,349 @@
+"""`pacerl simulate`: the discrete-event simulation's accounting on small cases worked out by hand, the
+filters' guarantees as seen through it, determinism, and the command."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agents.trajectory import Origin, Segment, Status, Trajectory
+from pacerl import simulate as cli_simulate
+from pacerl.cli import main
+from trainer.pool import FILTER_NAMES, FilterConfig, staleness_summary
+from trainer.simulation import (
+    PRESETS,
+    Distribution,
+    InferenceConfig,
+    SimConfig,
+    TrainerConfig,
+    WorkloadConfig,
+    bounds,
+    config_from_dict,
+    config_to_dict,
+    simulate,
+    simulate_mode,
+    workload_from_trace,
+)
+
+# Every response 100 tokens after a 10-token prompt, one turn: a wave of 8 rows on an engine takes
+# 100 steps of τ(8) = 0.01 + 8 · 0.001 = 0.018 s, i.e. 1.8 s, and nothing else costs time.
+CONSTANT = WorkloadConfig(
+    group_size=8,
+    prompt_tokens=Distribution.constant(10),
+    turns=Distribution.constant(1),
+    response_tokens=Distribution.constant(100),
+    tool_tokens=Distribution.constant(1),
+    tool_latency_s=Distribution.constant(0.0),
+)
+ENGINE = InferenceConfig(
+    gpus_per_engine=1,
+    step_base_s=0.01,
+    step_per_row_s=0.001,
+    step_per_kv_token_s=0.0,
+    prefill_tokens_per_s=math.inf,
+    kv_capacity_tokens=10_000,
+    max_running=8,
+)
+TOKENS_PER_STEP = 16 * 110  # B·G trajectories of 110 tokens
+
+
+def small(**changes: object) -> SimConfig:
+    """2 inference engines + 1 trainer GPU, batches of 2 groups × 8, nothing costs time but decoding
+    and training: a training step is 0.1 s + 1760 tokens / 1760 tok/s = 1.1 s."""
+    config = SimConfig(
+        inference_gpus=2,
+        trainer_gpus=1,
+        steps=40,
+        batch_groups=2,
+        sync_interval=1,
+        filter=FilterConfig(name="none", max_concurrent_groups=4),
+        weight_sync_s=0.0,
+        colocated_switch_s=0.5,
+        token_block=1,
+        workload=CONSTANT,
+        inference=ENGINE,
+        trainer=TrainerConfig(tokens_per_gpu_s=TOKENS_PER_STEP, step_fixed_s=0.1, recompute_async=False),
+    )
+    return dataclasses.replace(config, **changes)  # type: ignore[arg-type]
+
+
+def test_constant_lengths_generation_bound_async_equals_the_analytic_pipeline() -> None:
+    config = small()
+    generation = 2 * 8 / (100 * 0.018)  # two engines, 8 rows each, one wave per 1.8 s: 8.89 traj/s
+    training = 16 / 1.1  # 14.5 traj/s
+    run = simulate_mode(config, "async")
+    assert run.steady_trajectories_per_s == pytest.approx(min(generation, training), rel=1e-9)
+    assert bounds(config).generation_trajectories_per_s == pytest.approx(generation)
+    assert bounds(config).training_trajectories_per_s == pytest.approx(training)
+    assert run.trained_tokens == 40 * TOKENS_PER_STEP
+    assert run.rejected_groups == {} and run.wasted_tokens == 0 and run.retractions == 0
+
+
+def test_constant_lengths_training_bound_async_equals_the_analytic_pipeline() -> None:
+    slow = TrainerConfig(tokens_per_gpu_s=TOKENS_PER_STEP / 3, step_fixed_s=0.1, recompute_async=False)
+    run = simulate_mode(small(trainer=slow), "async")
+    assert run.steady_trajectories_per_s == pytest.approx(16 / 3.1, rel=1e-9)
+    # the trainer waits only for the first wave (1.8 s), then never again: the pool keeps filling
+    assert run.trainer_utilization == pytest.approx(40 * 3.1 / (1.8 + 40 * 3.1), rel=1e-9)
+    assert run.staleness.mean_ws > 1  # and what waits there ages
+
+
+def test_sync_is_the_serial_sum_and_has_no_staleness() -> None:
+    # Colocated: 3 engines share the 16 trajectories round-robin (6, 5, 5 rows): the round's generation
+    # ends with the 6-row engine after 100 · (0.01 + 6 · 0.001) = 1.6 s; training on all 3 GPUs takes
+    # 0.1 + 1760 / (3 · 1760) s; then 0.5 s to switch back.
+    colocated = simulate_mode(small(), "sync")
+    step = 1.6 + (0.1 + 1 / 3) + 0.5
+    assert colocated.steady_trajectories_per_s == pytest.approx(16 / step, rel=1e-9)
+    assert (
+        colocated.staleness.mean_gs == colocated.staleness.mean_ws == colocated.staleness.max_staleness == 0
+    )
+    assert colocated.interruptions == 0 and colocated.model_segments_per_trajectory == 1
+    # Split: the async engines (8 rows each, 1.8 s), then the trainer (1.1 s), then a 0.25 s weight sync.
+    split = simulate_mode(small(sync_baseline="split", weight_sync_s=0.25), "sync")
+    assert split.steady_trajectories_per_s == pytest.approx(16 / (1.8 + 1.1 + 0.25), rel=1e-9)
+
+
+def test_speedup_is_the_ratio_of_the_two_runs() -> None:
+    result = simulate(small(steps=12, sync_steps=12))
+    assert result.speedup == pytest.approx(
+        result.async_run.trajectories_per_s / result.sync_run.trajectories_per_s
+    )
+    assert set(result.to_json()) == {
+        "config",
+        "async",
+        "sync",
+        "bounds",
+        "speedup",
+        "steady_speedup",
+        "wall_s",
+    }
+
+
+def test_decode_time_is_closed_form_with_a_growing_cache() -> None:
+    # One engine, one row, a 10-token prompt: step s costs 0.01 + 0.001 + 1e-4 · (10 + s), so 100 steps
+    # take 100 · 0.012 + 1e-4 · (0 + 1 + ... ) = 1.2 + 1e-4 · 100²/2 (continuous progress: ∫ s ds).
+    engine = dataclasses.replace(ENGINE, step_per_kv_token_s=1e-4)
+    one = dataclasses.replace(CONSTANT, group_size=1)
+    trainer = TrainerConfig(tokens_per_gpu_s=1e9, step_fixed_s=0.0, recompute_async=False)
+    config = small(
+        inference_gpus=1,
+        batch_groups=1,
+        steps=1,
+        workload=one,
+        inference=engine,
+        trainer=trainer,
+        filter=FilterConfig(name="none", max_concurrent_groups=1),
+    )
+    run = simulate_mode(config, "async")
+    assert run.step_end_s[0] == pytest.approx(1.2 + 1e-4 * 100**2 / 2 + 110 / 1e9, rel=1e-9)
+
+
+def test_prefill_stalls_the_batch() -> None:
+    # 10-token prompts of 8 rows prefilled at 80 tok/s: 1 s before the first decode step.
+    engine = dataclasses.replace(ENGINE, prefill_tokens_per_s=80.0)
+    trainer = TrainerConfig(tokens_per_gpu_s=1e9, step_fixed_s=0.0, recompute_async=False)
+    config = small(inference_gpus=1, batch_groups=1, steps=1, inference=engine, trainer=trainer)
+    assert simulate_mode(config, "async").step_end_s[0] == pytest.approx(1.0 + 1.8 + 880 / 1e9, rel=1e-9)
+
+
+def test_async_records_carry_versions_and_their_staleness_is_the_pools() -> None:
+    """The statistics come from the records: they equal `staleness_summary` of the drawn batches, and a
+    generation interrupted by a weight update continues as a new segment with the new version."""
+    batches: list[tuple[list[Trajectory], int]] = []
+    config = small(
+        workload=dataclasses.replace(CONSTANT, response_tokens=Distribution.lognormal(100, 0.8, 400))
+    )
+    run = simulate_mode(config, "async", lambda batch, v: batches.append(([t for g in batch for t in g], v)))
+    summaries = [staleness_summary(trajectories, v) for trajectories, v in batches]
+    assert tuple(np.sum([s.gs_hist for s in summaries], axis=0)) == run.staleness.gs_hist
+    assert tuple(np.sum([s.ws_hist for s in summaries], axis=0)) == run.staleness.ws_hist
+    assert run.staleness.max_staleness == max(s.max_staleness for s in summaries)
+    assert run.staleness.mean_gs > 0 and run.interruptions > 0
+    spanning = [t for trajectories, _ in batches for t in trajectories if len(t.versions) > 1]
+    assert spanning, "some generation spans a weight update"
+    for trajectory in spanning:
+        model = [s for s in trajectory.segments if s.origin is Origin.MODEL]
+        assert [s.finish_reason for s in model[:-1]] == ["abort"] * (len(model) - 1)
+        versions = [s.version for s in model if s.version is not None]
+        assert len(versions) == len(model) and versions == sorted(versions)
+        assert all(a.ended_at <= b.started_at for a, b in itertools.pairwise(model))  # type: ignore[operator]
+    assert all(t.status is Status.COMPLETED for trajectories, _ in batches for t in trajectories)
+    # every record passes the record's own validation from scratch
+    for trajectories, _ in batches:
+        for trajectory in trajectories:
+            assert Trajectory.from_json(json.loads(json.dumps(trajectory.to_json()))) == trajectory
+
+
+def test_max_age_never_trains_older_tokens() -> None:
+    fast = TrainerConfig(tokens_per_gpu_s=1e9, step_fixed_s=0.05, recompute_async=False)
+    long_tail = dataclasses.replace(CONSTANT, response_tokens=Distribution.lognormal(60, 1.0, 1000))
+    config = small(
+        steps=60,
+        workload=long_tail,
+        trainer=fast,
+        inference=dataclasses.replace(ENGINE, max_running=64),
+        filter=FilterConfig(name="max_age", max_age=1, max_concurrent_groups=16),
+    )
+    run = simulate_mode(config, "async")
+    assert run.rejected_groups["max_age"] > 0
+    assert run.rejected_trajectories == 8 * run.rejected_groups["max_age"]
+    assert run.wasted_tokens > 0
+    assert run.staleness.max_staleness <= 1
+
+
+def test_admission_caps_groups_in_flight_at_areals_capacity() -> None:
+    # (η + v + 1)·B − accepted ≥ running ⇒ in flight + pooled ≤ (η + 1)·B, whatever the engines could do.
+    for eta in (0, 2):
+        config = small(
+            steps=20,
+            inference=dataclasses.replace(ENGINE, max_running=256),
+            filter=FilterConfig(name="admission", max_offpolicyness=eta, max_concurrent_groups=1000),
+        )
+        run = simulate_mode(config, "async")
+        assert run.max_outstanding_groups == (eta + 1) * 2
+        assert run.rejected_groups == {}
+    # η = 0 keeps every token on the trainer's version when it was generated (the sync limit)
+    assert (
+        simulate_mode(
+            dataclasses.replace(config, filter=FilterConfig(name="admission", max_offpolicyness=0)), "async"
+        ).staleness.max_staleness
+        <= 1
+    )
+
+
+def test_pace_rejections_are_counted() -> None:
+    slow = TrainerConfig(tokens_per_gpu_s=TOKENS_PER_STEP / 3, step_fixed_s=0.1, recompute_async=False)
+    config = small(
+        steps=30,
+        trainer=slow,
+        filter=FilterConfig(name="pace", target_groups=2, ema=0.0, max_concurrent_groups=4),
+    )
+    run = simulate_mode(config, "async")
+    rejected = run.rejected_groups["pace_budget"]
+    assert rejected > 0
+    assert run.rejected_trajectories == 8 * rejected
+    assert run.wasted_tokens == 100 * 8 * rejected
+    assert run.generated_tokens >= run.trained_tokens - 10 * run.trained_trajectories + run.wasted_tokens
+
+
+def test_deterministic_given_the_seed() -> None:
+    config = small(
+        steps=15,
+        sync_steps=5,
+        workload=dataclasses.replace(CONSTANT, response_tokens=Distribution.lognormal(80, 1.0, 500)),
+    )
+
+    def run(seed: int) -> dict[str, object]:
+        data = simulate(dataclasses.replace(config, seed=seed)).to_json()
+        data.pop("wall_s")
+        return data
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_kv_overflow_retracts_and_still_finishes() -> None:
+    # A cache of 1,500 tokens cannot hold 8 rows growing to 110 tokens each: retractions, no loss.
+    engine = dataclasses.replace(ENGINE, kv_capacity_tokens=600, admit_kv_fraction=0.5)
+    run = simulate_mode(small(steps=6, inference=engine), "async")
+    assert run.retractions > 0 and run.trained_trajectories == 6 * 16
+    assert run.trained_tokens == 6 * TOKENS_PER_STEP
+
+
+def test_config_validation_and_round_trip() -> None:
+    with pytest.raises(ValueError, match="kv_capacity_tokens"):
+        small(inference=dataclasses.replace(ENGINE, kv_capacity_tokens=50))
+    with pytest.raises(ValueError, match="inference_gpus"):
+        small(inference_gpus=0)
+    with pytest.raises(ValueError, match=r"unknown setting inference\.nope"):
+        config_from_dict(small(), {"inference": {"nope": 1}})
+    with pytest.raises(ValueError, match=r"workload\.group_size"):
+        config_from_dict(small(), {"workload": {"group_size": 0}})
+    changed = config_from_dict(small(), {"steps": 7, "workload": {"response_tokens": {"median": 50}}})
+    assert changed.steps == 7 and changed.workload.response_tokens.median == 50
+    assert config_from_dict(small(), json.loads(json.dumps(config_to_dict(small())))) == small()
+    for name, preset in PRESETS.items():
+        assert preset().config.steps >= 1, name
+
+
+def test_distribution_means() -> None:
+    capped = Distribution.lognormal(100, 1.0, maximum=300)
+    samples = capped.sample(np.random.default_rng(0), 400_000)
+    assert samples.max() == 300 and samples.mean() == pytest.approx(capped.mean(), rel=5e-3)
+    assert Distribution.empirical([1, 2, 6]).mean() == 3
+
+
+def test_workload_from_a_trace() -> None:
+    def trajectory(index: int) -> Trajectory:
+        record = Trajectory.start(f"t{index}", "g0", "task", [5] * 7)
+        record.append_model(
+            [1] * 4, [-1.0] * 4, version=0, started_at=0.0, ended_at=1.0, finish_reason="abort"
+        )
+        record.append_model(
+            [1] * 6, [-1.0] * 6, version=1, started_at=1.5, ended_at=2.0, finish_reason="tool_call"
+        )
+        record.append_tool([2] * 3)
+        record.append_model(
+            [1] * 5, [-1.0] * 5, version=1, started_at=2.25, ended_at=3.0, finish_reason="stop"
+        )
+        record.finish(Status.COMPLETED, reason="answered", reward=1.0, completed_version=1, completed_at=3.0)
+        return record
+
+    workload = workload_from_trace([trajectory(0), trajectory(1)])
+    assert workload.group_size == 2
+    assert workload.prompt_tokens.values == (7.0, 7.0)
+    assert workload.turns.values == (2.0, 2.0)
+    assert sorted(set(workload.response_tokens.values)) == [5.0, 10.0]  # the interruption merged
+    assert workload.tool_tokens.values == (3.0, 3.0)
+    assert workload.tool_latency_s.values == (0.25, 0.25)
+    assert isinstance(Segment, type)
+
+
+def test_the_command_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim"
+    code = main(
+        ["simulate", "--preset", "pacerl-cpu", "--steps", "24", "--filter", "pace", "--out", str(out)]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "speed-up" in printed and "rejected groups by reason" in printed
+    data = json.loads((out / "simulation.json").read_text())
+    assert data["async"]["steps"] == 24 and data["preset"]["name"] == "pacerl-cpu"
+    assert data["speedup"] == pytest.approx(
+        data["async"]["trajectories_per_s"] / data["sync"]["trajectories_per_s"]
+    )
+    for name in ("throughput", "staleness", "utilization"):
+        assert (out / f"{name}.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["--inference-gpus", "0"], "--inference-gpus"),
+        (["--trainer-gpus", "two"], "--trainer-gpus"),
+        (["--filter", "fifo"], "--filter"),
+        (["--preset", "nope"], "--preset"),
+        (["--steps", "-3"], "--steps"),
+        (["--config", "/nonexistent/sim.toml"], "--config"),
+        (["--inference-gpus", "2"], "--inference-gpus (2) must be at least inference.gpus_per_engine"),
+    ],
+)
+def test_bad_options_get_a_one_line_error(
+    argv: list[str], option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", *argv, "--out", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("pacerl: error:") and option in error and error.count("\n") == 1
+
+
+def test_the_command_keeps_its_name_lists_in_step() -> None:
+    # pacerl.simulate lists them itself so that `pacerl --help` need not import the trainer
+    assert cli_simulate.FILTERS == FILTER_NAMES
+    assert tuple(PRESETS) == cli_simulate.PRESET_NAMES
