@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import gymnasium
 import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import PreTrainedTokenizerBase
+from transformers.utils import logging as transformers_logging
 
 from agents.engine.embedded import EmbeddedEngine
 from agents.engine.protocol import Engine
@@ -41,6 +45,7 @@ from trainer.sft import SFTConfig, demonstrations, sft
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
+SUMMARY_FILE = "summary.json"
 
 
 def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
@@ -140,11 +145,22 @@ def build_run(
     return run
 
 
+class WarmStartInterruptedError(Exception):
+    """Ctrl-C (or SIGTERM) during the SFT warm start: nothing to resume yet, the run starts over."""
+
+
 def warm_start(
-    config: RunConfig, model: Any, tokenizer: PreTrainedTokenizerBase, tasks: Sequence[Task]
+    config: RunConfig,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: Sequence[Task],
+    *,
+    stop: threading.Event | None = None,
 ) -> dict[str, float]:
     """Run the configured SFT on `model` if `config.sft` asks for it (demonstrating `sft.tasks`, else
-    `tasks`, the training tasks); its first and last loss."""
+    `tasks`, the training tasks); its first and last loss. A progress bar on a terminal, a log line
+    every tenth of the steps otherwise. Setting `stop` ends it after the current step with
+    `WarmStartInterruptedError`."""
     spec = config.sft
     fresh = config.model.path is None
     style, steps = spec.resolved(config.env.id)
@@ -162,7 +178,17 @@ def warm_start(
         tokenizer=tokenizer,
     )
     sft_config = SFTConfig(lr=spec.lr, steps=steps, batch_size=spec.batch_size, seed=config.seed)
-    losses = sft(model, demos, sft_config)
+    with ProgressDisplay(f"sft ({style})", steps, 0) as display:
+
+        def on_step(step: int, loss: float) -> bool:
+            display.show(step + 1, f"loss {loss:.3f}")
+            return stop is not None and stop.is_set()
+
+        losses = sft(model, demos, sft_config, on_step=on_step)
+    if stop is not None and stop.is_set():
+        raise WarmStartInterruptedError(
+            f"interrupted during the SFT warm start at step {len(losses)} of {steps}"
+        )
     return {"sft/first_loss": losses[0], "sft/last_loss": losses[-1], "sft/steps": float(len(losses))}
 
 
@@ -195,6 +221,7 @@ async def train(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
 
 async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[str, Any]:
     """`train` with everything resolved; `saved` is the config written to the run directory."""
+    started = time.monotonic()
     run_dir = Path(config.run_dir)
     checkpoint = None
     if resume:  # read and check everything before anything in the run directory is written
@@ -209,7 +236,9 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
     _prepare_run_dir(run_dir, fresh=not resume)
     save_config(saved, run_dir / CONFIG_FILE)
     if checkpoint is None:
-        warmed = await asyncio.to_thread(warm_start, config, model, tokenizer, tasks)
+        stop = threading.Event()
+        with _signals_set(stop):
+            warmed = await asyncio.to_thread(warm_start, config, model, tokenizer, tasks, stop=stop)
         if warmed:
             save_model(model, tokenizer, run_dir / "warm_start")
             style, steps = config.sft.resolved(config.env.id)
@@ -245,6 +274,8 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
     if run.stopping:
         log.warning("stopped at step %d with a checkpoint; continue with --resume %s", run.step, run_dir)
         summary["interrupted"] = True
+    summary["seconds"] = time.monotonic() - started
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1, default=str) + "\n")
     return summary
 
 
@@ -329,38 +360,68 @@ def _num_experts(model: Any) -> int:
         return 0
 
 
-class StepDisplay:
-    """A progress bar with the step's reward, accuracy, staleness and pool occupancy on a terminal; one
-    log line per step otherwise (CI logs, pipes)."""
+class ProgressDisplay:
+    """A progress bar labelled `label` with a status text on a terminal; without one (CI logs, pipes) a
+    log line at the first step, every `log_every` steps (default: a tenth of the total) and at the last."""
 
-    def __init__(self, total: int, done: int) -> None:
+    def __init__(self, label: str, total: int, done: int, *, log_every: int | None = None) -> None:
         self.interactive = sys.stderr.isatty()
+        self.label, self.total = label, total
+        self.log_every = log_every or max(1, total // 10)
         self.progress = Progress(
-            TextColumn("[bold]train"),
+            TextColumn(f"[bold]{label}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
             TextColumn("{task.fields[status]}"),
             disable=not self.interactive,
         )
-        self.task = self.progress.add_task("train", total=total, completed=done, status="")
+        self.task = self.progress.add_task(label, total=total, completed=done, status="")
 
-    def __enter__(self) -> StepDisplay:
+    def __enter__(self) -> Self:
         self.progress.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
 
+    def show(self, step: int, status: str) -> None:
+        self.progress.update(self.task, completed=step, status=status)
+        if not self.interactive and (step in (1, self.total) or step % self.log_every == 0):
+            log.info("%s step %d/%d  %s", self.label, step, self.total, status)
+
+
+class StepDisplay(ProgressDisplay):
+    """The training bar: the step's reward, accuracy, staleness and pool occupancy; one log line per
+    step without a terminal."""
+
+    def __init__(self, total: int, done: int) -> None:
+        super().__init__("train", total, done, log_every=1)
+
     def update(self, step: int, scalars: Mapping[str, float]) -> None:
-        status = (
+        self.show(
+            step,
             f"reward {scalars.get('reward', 0.0):.2f}  acc {scalars.get('accuracy', 0.0):.2f}  "
             f"staleness {scalars.get('staleness/mean_staleness', 0.0):.2f}  "
-            f"pool {scalars.get('pool_groups', 0.0):.0f}  v{scalars.get('version', 0.0):.0f}"
+            f"pool {scalars.get('pool_groups', 0.0):.0f}  v{scalars.get('version', 0.0):.0f}",
         )
-        self.progress.update(self.task, completed=step, status=status)
-        if not self.interactive:
-            log.info("step %d  %s", step, status)
+
+
+@contextlib.contextmanager
+def _signals_set(event: threading.Event) -> Iterator[None]:
+    """While inside, Ctrl-C and SIGTERM set `event` instead of interrupting the event loop (work in a
+    thread checks it and ends cleanly)."""
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+            loop.add_signal_handler(sig, event.set)
+            installed.append(sig)
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
 
 
 def _on_interrupt(run: Run, job: asyncio.Future[Any]) -> None:
@@ -402,9 +463,35 @@ def main_train(config_path: str | None, overrides: list[str], resume: str | None
         config = load_config(saved, [*overrides, f"run_dir={resume}"])
     else:
         config = load_config(config_path, overrides)
-    summary = asyncio.run(train(config, resume=resume is not None))
-    print(summary)
+    try:
+        summary = asyncio.run(train(config, resume=resume is not None))
+    except WarmStartInterruptedError as stopped:
+        print(
+            f"pacerl train: {stopped}; nothing was checkpointed, run it again to start over", file=sys.stderr
+        )
+        return 130
+    print(report(summary, Path(config.run_dir)))
     return 0
+
+
+def report(summary: Mapping[str, Any], run_dir: Path) -> str:
+    """The few lines `pacerl train` ends with: steps, time, validation accuracy from first to last
+    evaluation, and where the outputs are."""
+    lines = [
+        f"trained {summary['step']} steps (policy version {summary['version']}) in {summary['seconds']:.0f} s"
+    ]
+    evaluations = summary.get("evaluations") or []
+    if evaluations:
+        first, last = evaluations[0], evaluations[-1]
+        gain = 100 * (last["eval/accuracy"] - first["eval/accuracy"])
+        lines.append(
+            f"validation accuracy {first['eval/accuracy']:.3f} (step {first['step']}) -> "
+            f"{last['eval/accuracy']:.3f} (step {last['step']}), {gain:+.1f} points"
+        )
+    lines.append(f"run directory {run_dir}: {SUMMARY_FILE}, metrics.jsonl, tb/, plots/, checkpoints/, model/")
+    if summary.get("interrupted"):
+        lines.append(f"stopped early; continue with: pacerl train --resume {run_dir}")
+    return "\n".join(lines)
 
 
 def main_sft(config_path: str | None, overrides: list[str], out: str) -> int:
@@ -416,7 +503,11 @@ def main_sft(config_path: str | None, overrides: list[str], out: str) -> int:
         raise ConfigError(f"--out {out} is not empty; choose a new directory")
     seed_everything(config)
     model, tokenizer = load_policy(config)
-    stats = warm_start(config, model, tokenizer, training_tasks(env_factory(config)))
+    try:
+        stats = warm_start(config, model, tokenizer, training_tasks(env_factory(config)))
+    except KeyboardInterrupt:
+        print("pacerl sft: interrupted; nothing was saved", file=sys.stderr)
+        return 130
     save_model(model, tokenizer, destination)
     print(
         f"SFT {stats.get('sft/steps', 0):.0f} steps, loss {stats.get('sft/first_loss', float('nan')):.3f} -> "
@@ -430,3 +521,5 @@ def _quiet_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for name in ("httpx", "httpcore", "tensorboardX"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # transformers' save_pretrained bar would interleave with ours
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]

@@ -245,6 +245,31 @@ def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:
     assert [row["step"] for row in rows if "eval/accuracy" in row] == [0, 1, 2]
     assert sum(row.get("trajectories", 0) for row in rows if "reward" in row) >= 16
     assert (run_dir / "plots" / "reward.png").is_file() and (run_dir / "model" / "config.json").is_file()
+    assert "sft (teacher) step 1/4  loss" in trained.stderr  # the warm start shows its progress
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 2 and [e["step"] for e in summary["evaluations"]] == [0, 1, 2]
+    first, last = summary["evaluations"][0]["eval/accuracy"], summary["evaluations"][-1]["eval/accuracy"]
+    assert f"validation accuracy {first:.3f} (step 0) -> {last:.3f} (step 2)" in trained.stdout
+
+
+def test_ctrl_c_during_the_warm_start_exits_cleanly(tmp_path: Path) -> None:
+    """SFT runs in a worker thread: Ctrl-C must end it after the current step, not hang until it is done,
+    and leave a run directory that a new run may use."""
+    run_dir = tmp_path / "interrupted"
+    command = [sys.executable, "-m", "pacerl", "train", f"run_dir={run_dir}", "sft.steps=100000"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:  # blocks until the first SFT step is logged
+        seen.append(line)
+        if "sft (teacher) step 1/100000" in line:
+            break
+    assert process.poll() is None, "".join(seen)
+    process.send_signal(signal.SIGINT)
+    _, rest = process.communicate(timeout=60)
+    assert process.returncode == 130, rest
+    assert "interrupted during the SFT warm start at step" in rest and "Traceback" not in rest
+    assert (run_dir / "config.json").is_file() and not (run_dir / "checkpoints").exists()
 
 
 def test_the_warm_start_style_follows_the_env() -> None:
