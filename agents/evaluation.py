@@ -217,9 +217,11 @@ async def evaluate(
     *,
     num_experts: int = 0,
     label: str = "",
+    on_group: Callable[[Sequence[Trajectory]], None] | None = None,
 ) -> EvalReport:
     """Play `config.samples` episodes of each task (the first `max_tasks`) with `engine` through the
-    rollout driver and score them per episode. The engine is left open."""
+    rollout driver and score them per episode. `on_group` sees each task's finished episodes (to keep
+    transcripts). The engine is left open."""
     config = config or EvalConfig()
     chosen = list(tasks[: config.max_tasks] if config.max_tasks is not None else tasks)
     if not chosen:
@@ -231,7 +233,10 @@ async def evaluate(
 
     async def play(task: Task) -> list[Trajectory]:
         async with slots:
-            return await driver.rollout_group(task, group_id=f"eval/{task.id}")
+            group = await driver.rollout_group(task, group_id=f"eval/{task.id}")
+        if on_group is not None:
+            on_group(group)
+        return group
 
     started = time.perf_counter()
     groups = await asyncio.gather(*(play(task) for task in chosen))

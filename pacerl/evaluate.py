@@ -1,5 +1,6 @@
 """`pacerl eval`: a saved model on an env's tasks, K sampled episodes each, built the way training builds
-them; prints avg@K, pass@k, tool use and failures, and writes them as JSON with `--out`.
+them; prints avg@K, pass@k, tool use and failures, and writes them as JSON with `--out` (and every
+episode's transcript with `--episodes`).
 
     pacerl eval --model runs/sft/model --env pacerl/CodeMath-v0 --n 4 --max-tasks 50 --out eval.json
 
@@ -15,13 +16,14 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from agents.evaluation import EvalConfig, EvalReport
+    from agents.trajectory import Trajectory
     from envs import ToolEnv
 
 VALIDATION_TASKS = {
@@ -46,16 +48,20 @@ def main_eval(
     max_tasks: int | None = None,
     retriever_url: str | None = None,
     seed: int | None = None,
+    episodes: str | None = None,
 ) -> int:
     """The body of `pacerl eval`: evaluate the model directory `model` on `env_id`'s `tasks` (default:
-    its validation set) with `n` samples per task; print the table and write the JSON report to `out`.
+    its validation set) with `n` samples per task; print the table and write the JSON report to `out`
+    and each episode's transcript to `episodes` (JSONL, see `transcript`).
     Options left None keep `EvalConfig`'s defaults. For Search-v0 without `retriever_url`, the shipped
     corpus is served by an in-process BM25 retriever on a free loopback port for the run's duration.
     Bad input (no such directory, unknown env or task set, invalid option) raises a one-line
     ValueError (ConfigError) or OSError before any episode starts."""
     from agents.evaluation import EvalConfig
     from pacerl.config import config_from_dict
-    from pacerl.train import env_factory, seed_everything
+    from pacerl.train import env_factory, quiet_logging, seed_everything
+
+    quiet_logging()
 
     given: dict[str, Any] = {"samples": n, "temperature": temperature, "max_tasks": max_tasks, "seed": seed}
     config = replace(EvalConfig(), **{key: value for key, value in given.items() if value is not None})
@@ -71,8 +77,17 @@ def main_eval(
         if env_id == SEARCH_ENV:
             url = retriever_url or stack.enter_context(local_retriever())
             make_env = with_retriever(make_env, url)
-        report = _run_eval(policy, tokenizer, make_env, config, label)
+        transcripts = stack.enter_context(_open_for_writing(episodes)) if episodes is not None else None
+
+        def keep(group: Sequence[Trajectory]) -> None:
+            if transcripts is not None:
+                for trajectory in group:
+                    transcripts.write(json.dumps(transcript(trajectory, tokenizer)) + "\n")
+
+        report = _run_eval(policy, tokenizer, make_env, config, label, keep)
     print(report.table(), end="")
+    if episodes is not None:
+        print(f"wrote {report.episodes} episodes to {episodes}")
     if out is not None:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,8 +96,43 @@ def main_eval(
     return 0
 
 
+def transcript(trajectory: Trajectory, tokenizer: Any) -> dict[str, Any]:
+    """One episode as a reader wants it: task, reward, how it ended, and each segment's text with its
+    origin (prompt, model, tool) and, for the model's, the policy version that wrote it."""
+    segments = []
+    for segment in trajectory.segments:
+        entry: dict[str, Any] = {
+            "origin": segment.origin.value,
+            "text": tokenizer.decode(list(segment.tokens)),
+        }
+        if segment.version is not None:
+            entry["version"] = segment.version
+        segments.append(entry)
+    return {
+        "id": trajectory.id,
+        "task_id": trajectory.task_id,
+        "reward": trajectory.reward,
+        "status": trajectory.status.value,
+        "status_reason": trajectory.status_reason,
+        "segments": segments,
+    }
+
+
+@contextlib.contextmanager
+def _open_for_writing(path: str) -> Iterator[TextIO]:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("w", encoding="utf-8") as handle:
+        yield handle
+
+
 def _run_eval(
-    policy: Any, tokenizer: Any, make_env: Callable[[], ToolEnv], config: EvalConfig, label: str
+    policy: Any,
+    tokenizer: Any,
+    make_env: Callable[[], ToolEnv],
+    config: EvalConfig,
+    label: str,
+    on_group: Callable[[Sequence[Trajectory]], None] | None = None,
 ) -> EvalReport:
     """Serve `policy` from an embedded engine and evaluate it on the tasks `make_env`'s envs hold."""
     import asyncio
@@ -97,7 +147,7 @@ def _run_eval(
         probe.close()
         try:
             # Routes are not recorded in eval, so the model's expert count is not needed.
-            return await evaluate(engine, tokenizer, make_env, tasks, config, label=label)
+            return await evaluate(engine, tokenizer, make_env, tasks, config, label=label, on_group=on_group)
         finally:
             await engine.aclose()
 
@@ -174,6 +224,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         max_tasks=args.max_tasks,
         retriever_url=args.retriever_url,
         seed=args.seed,
+        episodes=args.episodes,
     )
 
 
@@ -204,5 +255,8 @@ def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
         help="Search-v0's retriever (default: BM25 over the shipped corpus, served in-process)",
     )
     parser.add_argument("--seed", type=int, help="seed of the engine's samplers (default 0)")
+    parser.add_argument(
+        "--episodes", metavar="FILE", help="write every episode's transcript here (JSONL: segments as text)"
+    )
     parser.set_defaults(handler=cmd_eval)
     return parser

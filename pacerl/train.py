@@ -455,7 +455,7 @@ def _prepare_run_dir(run_dir: Path, *, fresh: bool) -> None:
 
 def main_train(config_path: str | None, overrides: list[str], resume: str | None) -> int:
     """The body of `pacerl train`."""
-    _quiet_logging()
+    quiet_logging()
     if resume is not None:
         saved = Path(resume) / CONFIG_FILE
         if not saved.is_file():
@@ -496,7 +496,7 @@ def report(summary: Mapping[str, Any], run_dir: Path) -> str:
 
 def main_sft(config_path: str | None, overrides: list[str], out: str) -> int:
     """The body of `pacerl sft`: the warm start of `config` (whatever `sft.when` says), saved to `out`."""
-    _quiet_logging()
+    quiet_logging()
     config = load_config(config_path, [*overrides, "sft.when=always"])
     destination = Path(out)
     if destination.exists() and any(destination.iterdir()):
@@ -516,7 +516,7 @@ def main_sft(config_path: str | None, overrides: list[str], out: str) -> int:
     return 0
 
 
-def _quiet_logging() -> None:
+def quiet_logging() -> None:
     """pacerl's own progress lines; the HTTP clients' per-request lines only when something fails."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for name in ("httpx", "httpcore", "tensorboardX"):

@@ -207,7 +207,8 @@ def test_the_commands_end_to_end(warm_model: tuple[Path, Path], tmp_path: Path) 
     report = tmp_path / "eval.json"
     evaluated = subprocess.run(
         [sys.executable, "-m", "pacerl", "eval", "--model", str(run_dir / "model"), "--env", "pacerl/Math-v0",
-         "--tasks", str(warm_model[1]), "--n", "2", "--out", str(report)],
+         "--tasks", str(warm_model[1]), "--n", "2", "--out", str(report),
+         "--episodes", str(tmp_path / "ep.jsonl")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -216,6 +217,16 @@ def test_the_commands_end_to_end(warm_model: tuple[Path, Path], tmp_path: Path) 
     result = json.loads(report.read_text())
     assert result["tasks"] == 8 and result["episodes"] == 16 and 0.0 <= result["pass_at_k"]["2"] <= 1.0
     assert "pass@2" in evaluated.stdout
+    episodes = [json.loads(line) for line in (tmp_path / "ep.jsonl").read_text().splitlines()]
+    assert len(episodes) == 16 and len({e["id"] for e in episodes}) == 16
+    assert sum(e["reward"] for e in episodes) == pytest.approx(
+        16 * result["mean_reward"]
+    )  # the report's episodes
+    assert all(
+        e["segments"][0]["origin"] == "prompt" and e["segments"][1]["origin"] == "model" for e in episodes
+    )
+    assert all(e["segments"][1]["version"] == result["policy_version"] for e in episodes)
+    assert all(e["segments"][1]["text"] for e in episodes)
 
 
 def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:

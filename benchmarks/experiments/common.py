@@ -19,7 +19,7 @@ from typing import Any
 from trainer.calibration import collapse_step
 
 ROOT = Path(__file__).resolve().parents[2]
-SUMMARY = "summary.json"
+SUMMARY = "arm.json"  # beside the run's own summary.json
 
 
 @dataclass(frozen=True)
