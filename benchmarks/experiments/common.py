@@ -115,6 +115,15 @@ def _tail_mean(values: Sequence[float], share: float) -> float:
     return sum(tail) / len(tail) if tail else math.nan
 
 
+def shares(histogram: Sequence[float], top: int = 2) -> str:
+    """A histogram over versions 0, 1, ... as percentages `a/b/c` of the bins 0 .. top-1 and top or more."""
+    total = sum(histogram)
+    if not total:
+        return "–"
+    bins = [*histogram[:top], sum(histogram[top:])]
+    return "/".join(f"{100 * count / total:.0f}" for count in bins)
+
+
 def time_to_reach(curve: Sequence[Sequence[float]], target: float) -> float | None:
     """Seconds until an evaluation first reached `target` accuracy (None: never)."""
     for seconds, _, accuracy in curve:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Arm, add_common_arguments, prepare, run_and_report, time_to_reach, write_results
+from common import Arm, add_common_arguments, prepare, run_and_report, shares, time_to_reach, write_results
 
 ARMS = {
     "sync": ({"loop.mode": "sync"}, "on-policy: generate, then train"),
@@ -53,6 +53,8 @@ def main() -> None:
     for summary in summaries:
         summary["seconds_to_sync_accuracy"] = time_to_reach(summary.get("eval_curve", []), sync_final)
         summary["rejected_total"] = sum(summary.get("rejected", {}).values())
+        summary["gs_shares"] = shares(summary.get("gs_hist", []))
+        summary["ws_shares"] = shares(summary.get("ws_hist", []))
     columns = [
         ("arm", "arm"),
         ("seed", "seed"),
@@ -62,6 +64,8 @@ def main() -> None:
         ("seconds_to_sync_accuracy", "s to sync's final acc"),
         ("mean_gs", "mean GS"),
         ("mean_ws", "mean WS"),
+        ("gs_shares", "tokens at GS 0/1/2+ (%)"),
+        ("ws_shares", "tokens at WS 0/1/2+ (%)"),
         ("rejected_total", "rejected groups"),
         ("wall_s", "wall s"),
     ]
