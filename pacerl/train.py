@@ -411,32 +411,35 @@ class StepDisplay(ProgressDisplay):
 def _signals_set(event: threading.Event) -> Iterator[None]:
     """While inside, Ctrl-C and SIGTERM set `event` instead of interrupting the event loop (work in a
     thread checks it and ends cleanly)."""
-    loop = asyncio.get_running_loop()
-    installed = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
-            loop.add_signal_handler(sig, event.set)
-            installed.append(sig)
+    installed = _on_stop_signals(event.set)
     try:
         yield
     finally:
         for sig in installed:
-            loop.remove_signal_handler(sig)
+            asyncio.get_running_loop().remove_signal_handler(sig)
+
+
+def _on_stop_signals(callback: Callable[[], None]) -> list[signal.Signals]:
+    """Run `callback` on Ctrl-C and SIGTERM (on the running loop); the signals it could take."""
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+            loop.add_signal_handler(sig, callback)
+            installed.append(sig)
+    return installed
 
 
 def _on_interrupt(run: Run, job: asyncio.Future[Any]) -> None:
     """The first Ctrl-C (or SIGTERM) ends the run after its current step with a checkpoint; a second
     one cancels at once."""
-    loop = asyncio.get_running_loop()
 
     def interrupt() -> None:
         if run.stopping:
             job.cancel()
         run.request_stop()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
-            loop.add_signal_handler(sig, interrupt)
+    _on_stop_signals(interrupt)
 
 
 def _prepare_run_dir(run_dir: Path, *, fresh: bool) -> None:
