@@ -292,3 +292,28 @@ def test_the_warm_start_style_follows_the_env() -> None:
         "clean",
         9,
     )
+
+
+def test_ctrl_c_during_training_checkpoints_and_resume_finishes(
+    warm_model: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The first Ctrl-C ends the run after its current step with a checkpoint and says how to go on."""
+    run_dir = tmp_path / "stopped"
+    config_file = tmp_path / "run.json"
+    config_file.write_text(json.dumps(small_run(warm_model, run_dir, loop={"steps": 1000})))
+    command = [sys.executable, "-m", "pacerl", "train", "--config", str(config_file)]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:  # blocks until the second step is logged
+        seen.append(line)
+        if "train step 2/1000" in line:
+            break
+    assert process.poll() is None, "".join(seen)
+    process.send_signal(signal.SIGINT)
+    out, rest = process.communicate(timeout=120)
+    assert process.returncode == 0, rest
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and 2 <= summary["step"] < 1000
+    assert f"continue with: pacerl train --resume {run_dir}" in out
+    assert load_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state["step"] == summary["step"]  # type: ignore[arg-type]
