@@ -57,12 +57,42 @@ def write_frame(fd: int, obj: Job) -> None:
 
 
 def write_files(files: dict[str, str]) -> None:
+    """Write the job's files below the work directory. The host refused every path and size that
+    cannot fit; a write that fails anyway is still the caller's input, not the sandbox's fault, so it
+    ends the run as the code's own error would (a message on stderr, exit status 1) on every backend:
+    the start is announced first, or the local host would report a sandbox that failed to start."""
     for path, content in files.items():
-        directory = os.path.dirname(path)
-        if directory:
-            os.makedirs(directory, exist_ok=True)
-        with open(path, "wb") as handle:
-            handle.write(base64.b64decode(content))
+        try:
+            write_file(path, base64.b64decode(content))
+        except OSError as error:
+            print(f"[sandbox] could not write the file {path!r}: {error.strerror or error}", file=sys.stderr)
+            sys.stderr.flush()
+            announce_start(int(sys.argv[2]))  # argv[2] is STATUS_FD (see the end of this file)
+            os._exit(1)
+
+
+def write_file(path: str, data: bytes) -> None:
+    """Create `path` (normal and relative) one component at a time from directory descriptors, so that
+    no depth or whole-path length the host accepted can fail here."""
+    *parents, name = path.split("/")
+    directory = os.open(".", os.O_PATH | os.O_DIRECTORY)
+    try:
+        for part in parents:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, dir_fd=directory)
+            inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=directory)
+            os.close(directory)
+            directory = inner
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(name, flags, 0o666, dir_fd=directory)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+    finally:
+        os.close(directory)
 
 
 def stdin_fd(data: bytes) -> int:
@@ -271,13 +301,34 @@ def repl(limits: Job, control_in: int, control_out: int) -> None:
 
 
 # -- the session zygote: one sandbox serves many episodes, each in a fresh forked interpreter ---------
+#
+# The zygote is the only process that holds the host's pipes. It is PID 1 of the sandbox (bubblewrap
+# runs it with --as-pid-1; `unshare --fork` makes it PID 1 anyway), so no other process in the sandbox
+# inherits or holds those pipes, and it is non-dumpable, so same-uid code can neither ptrace it nor
+# take its descriptors with pidfd_getfd nor read its memory. It never parses what an episode writes:
+# payloads move between pipes with splice(2), so nothing of one episode (code, stdin, output) ever
+# enters the zygote's memory and reaches the next episode's forked interpreter. It reads only the
+# episode's frame headers, which must be plain decimal sizes within the cap the host sent with the
+# call; anything else ends the sandbox with a `!reason` line the host reports as a sandbox error.
+#
+# Host -> zygote: `SIZE CAP\n` + SIZE bytes (a cell, relayed to the interpreter; its reply may be at
+# most CAP bytes), or `reset\n`. Zygote -> host: `SIZE\n` + SIZE bytes (the interpreter's reply), or
+# `!reason\n` just before the sandbox ends because the episode broke the protocol.
 
 PR_SET_DUMPABLE = 4
-KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR = 1, 7
+KEYCTL_GET_KEYRING_ID, KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR, KEYCTL_GET_PERSISTENT = 0, 1, 7, 22
 KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -4, -5
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
+SYS_IOPRIO_GET = {"x86_64": 252, "aarch64": 31}
+IOPRIO_WHO_PROCESS = 1
 RESET_DEADLINE_S = 1.5
-MAX_FRAME_BYTES = 1 << 30
+READY_FRAME_CAP = 64
+HEADER_DIGITS = 12
+SOCKET_TABLES = ("tcp", "tcp6", "udp", "udp6", "raw", "raw6", "unix", "packet", "udplite", "udplite6")
+
+
+class ProtocolViolationError(Exception):
+    """The episode wrote something on its reply pipe that is not a well-formed reply."""
 
 
 def libc() -> Any:
@@ -286,18 +337,32 @@ def libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def keyctl(lib: Any, *args: int) -> None:
-    """Best effort: keyrings the episode could reach outlive its processes (per uid, per user ns)."""
+def syscall(lib: Any, numbers: dict[str, int], *args: int) -> int | None:
+    """A raw syscall by per-architecture number; None where this architecture is not listed."""
+    import ctypes
     import platform
 
-    number = SYS_KEYCTL.get(platform.machine())
-    if number is not None:
-        lib.syscall(number, *args)
+    number = numbers.get(platform.machine())
+    if number is None:
+        return None
+    result: int = lib.syscall(number, *(ctypes.c_long(arg) for arg in args))
+    return result
 
 
-def dir_state(path: str) -> tuple[int, int, int, int, int]:
+def forget_keyrings(lib: Any) -> None:
+    """Empty the keyrings that outlive processes (user, user-session and persistent: per uid and user
+    namespace) so that nothing stored in one episode or sandbox reaches the next with the same uid."""
+    syscall(lib, SYS_KEYCTL, KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING)
+    syscall(lib, SYS_KEYCTL, KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING)
+    persistent = syscall(lib, SYS_KEYCTL, KEYCTL_GET_PERSISTENT, -1, KEY_SPEC_USER_KEYRING)
+    if persistent is not None and persistent > 0:
+        syscall(lib, SYS_KEYCTL, KEYCTL_CLEAR, persistent)
+
+
+def dir_state(path: str) -> tuple[int, int, int, int, int, tuple[str, ...]]:
     st = os.lstat(path)
-    return st.st_ino, st.st_mode, st.st_uid, st.st_atime_ns, st.st_mtime_ns
+    xattrs = tuple(sorted(os.listxattr(path, follow_symlinks=False)))
+    return st.st_ino, st.st_mode, st.st_uid, st.st_atime_ns, st.st_mtime_ns, xattrs
 
 
 def dev_entries() -> dict[str, tuple[int, int]]:
@@ -306,7 +371,16 @@ def dev_entries() -> dict[str, tuple[int, int]]:
     }
 
 
-def snapshot() -> Job:
+def sockets() -> list[str]:
+    """Every socket of the sandbox's network namespace (TIME_WAIT ones included), as table rows."""
+    rows = []
+    for table in SOCKET_TABLES:
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/net/{table}") as handle:
+            rows += [f"{table}: {line.strip()}" for line in handle.readlines()[1:] if line.strip()]
+    return rows
+
+
+def snapshot(lib: Any) -> Job:
     """What a clean sandbox looks like, taken before any user code ran; `reset` restores or checks it."""
     wiped = [path for path in (os.getcwd(), "/tmp", "/dev/shm") if os.access(path, os.W_OK)]
     return {
@@ -318,8 +392,10 @@ def snapshot() -> Job:
             if name.startswith("RLIMIT_")
         },
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "ioprio": syscall(lib, SYS_IOPRIO_GET, IOPRIO_WHO_PROCESS, 0),
         "scheduler": os.sched_getscheduler(0),
         "affinity": os.sched_getaffinity(0),
+        "sockets": sockets(),
     }
 
 
@@ -335,8 +411,7 @@ def remove_tree(path: str) -> None:
 
 
 def kill_all() -> None:
-    """SIGKILL every process this one may signal in the PID namespace (all but itself and PID 1,
-    bubblewrap's init, which the kernel shields from its namespace), until none is left."""
+    """SIGKILL every other process of the PID namespace (this zygote is its PID 1), until none is left."""
     import time
 
     me, deadline = os.getpid(), time.monotonic() + RESET_DEADLINE_S
@@ -348,7 +423,6 @@ def kill_all() -> None:
         with contextlib.suppress(ChildProcessError):
             while True:
                 os.waitpid(-1, 0)
-        # Orphans are reaped by PID 1 (bubblewrap's init, or this zygote itself under unshare).
         if not [pid for pid in os.listdir("/proc") if pid.isdigit() and int(pid) not in (1, me)]:
             return
         if time.monotonic() > deadline:
@@ -375,14 +449,13 @@ def reset(clean: Job, lib: Any) -> None:
     """Make the sandbox as it was before the first episode, or raise (then the host discards it)."""
     kill_all()  # first: nothing may run while we clean
     remove_ipc(lib)
-    keyctl(lib, KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING)
-    keyctl(lib, KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING)
+    forget_keyrings(lib)
     for path, state in clean["wiped"].items():
         os.chmod(path, 0o700)
         remove_tree(path)
+        # Every extended attribute goes, default and access ACLs (system.posix_acl_*) included.
         for name in os.listxattr(path, follow_symlinks=False):
-            if name.startswith("user."):
-                os.removexattr(path, name, follow_symlinks=False)
+            os.removexattr(path, name, follow_symlinks=False)
         if os.listdir(path):
             raise RuntimeError(f"{path} could not be emptied")
         os.chmod(path, state[1] & 0o7777)
@@ -401,12 +474,21 @@ def reset(clean: Job, lib: Any) -> None:
                     os.unlink(entry.path)
         if dev_entries() != clean["dev"]:
             raise RuntimeError("/dev was changed")
-    # Same-uid code may lower this process's rlimits (prlimit) or priority, which the next episode
-    # would inherit: refuse to go on rather than hand it a sandbox that differs.
-    now = snapshot()
-    for key in ("rlimits", "nice", "scheduler", "affinity"):
+    # Same-uid code may lower this process's rlimits (prlimit), priorities or affinity, which the next
+    # episode would inherit, and the network namespace keeps sockets in TIME_WAIT after their processes
+    # are gone: none of that can be undone from here, so refuse to go on rather than hand it on.
+    now = snapshot(lib)
+    for key in ("rlimits", "nice", "ioprio", "scheduler", "affinity", "sockets"):
         if now[key] != clean[key]:
-            raise RuntimeError(f"the zygote's {key} changed")
+            raise RuntimeError(f"the sandbox's {key} changed")
+
+
+def reap_children(signum: int, frame: object) -> None:
+    """As PID 1 the zygote inherits every orphan of the episode: reap them, or zombies would pile up
+    against the process limit."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
 
 
 def fork_repl(limits: Job, host_fds: tuple[int, int], lib: Any) -> tuple[int, int, int]:
@@ -414,94 +496,136 @@ def fork_repl(limits: Job, host_fds: tuple[int, int], lib: Any) -> tuple[int, in
     a pidfd of it."""
     request_read, request_write = os.pipe()
     reply_read, reply_write = os.pipe()
+    # Until the pidfd is open, the child must not be reaped by `reap_children` (its pid could be reused).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     pid = os.fork()
     if pid == 0:
         status = 1
         try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
             for fd in (*host_fds, request_write, reply_read):
                 os.close(fd)
             # The zygote is non-dumpable; the episode's own process must not be (or its /proc/self
             # files turn root-owned and unreadable to it).
             lib.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
-            keyctl(lib, KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh keyring that dies with the episode
+            syscall(lib, SYS_KEYCTL, KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh keyring, dies with the episode
             repl(limits, request_read, reply_write)
             status = 0
         finally:
             os._exit(status)
+    try:
+        pidfd = os.pidfd_open(pid)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     os.close(request_read)
     os.close(reply_write)
-    return request_write, reply_read, os.pidfd_open(pid)
+    return request_write, reply_read, pidfd
 
 
-def read_some(source: int, size: int, pidfd: int) -> bytes:
-    """Up to `size` bytes from the interpreter's pipe; b"" once it has died and the pipe is drained
-    (processes it forked may hold the pipe's write end, so EOF alone would not tell)."""
+def wait_readable(source: int, pidfd: int) -> bool:
+    """True once the interpreter's pipe has data; False once the interpreter has died and the pipe is
+    empty (processes it forked may hold the pipe's write end, so EOF alone would not tell)."""
     import select
 
     ready, _, _ = select.select([source, pidfd], [], [])
-    return os.read(source, size) if source in ready else b""
+    return source in ready
 
 
-def relay(source: int, target: int, pidfd: int) -> None:
-    """Copy one frame from the episode's interpreter to the host without parsing it; raise on EOF or
-    a malformed header (the user's code controls that pipe too), which ends the zygote."""
-    header = b""
-    while not header.endswith(b"\n"):
-        byte = read_some(source, 1, pidfd)
-        if not byte or len(header) > 20:
+def splice_exactly(source: int, target: int, size: int, pidfd: int | None = None) -> None:
+    """Move `size` bytes from one pipe to another inside the kernel (never through this process)."""
+    while size:
+        if pidfd is not None and not wait_readable(source, pidfd):
             raise EOFError("the session interpreter died")
-        header += byte
-    size = int(header)
-    if not 0 <= size <= MAX_FRAME_BYTES:
-        raise ValueError("oversized frame")
-    data = bytearray(header)
-    while len(data) < len(header) + size:
-        chunk = read_some(source, min(len(header) + size - len(data), 1 << 20), pidfd)
-        if not chunk:
-            raise EOFError("the session interpreter died")
-        data += chunk
+        moved = os.splice(source, target, size)
+        if not moved:
+            raise EOFError("the pipe closed mid-frame")
+        size -= moved
+
+
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(target, view) :]
+        view = view[os.write(fd, view) :]
+
+
+def relay_reply(source: int, target: int, pidfd: int, cap: int) -> None:
+    """Pass one reply frame from the episode's interpreter to the host: the header is checked (a
+    decimal size within `cap`), the payload spliced unread. Raise EOFError if the interpreter died,
+    ProtocolViolationError if the episode wrote something else."""
+    header = b""
+    while not header.endswith(b"\n"):
+        if not wait_readable(source, pidfd):
+            raise EOFError("the session interpreter died")
+        byte = os.read(source, 1)
+        if not byte:
+            raise EOFError("the session interpreter died")
+        if len(header) > HEADER_DIGITS or not (byte.isdigit() or (byte == b"\n" and header)):
+            raise ProtocolViolationError("a malformed reply header")
+        header += byte
+    size = int(header)
+    if size > cap:
+        raise ProtocolViolationError(f"a reply of {size} bytes, over the {cap}-byte cap of this call")
+    write_all(target, b"%d\n" % size)
+    splice_exactly(source, target, size, pidfd)
+
+
+def read_host_header(fd: int) -> bytes | None:
+    header = b""
+    while not header.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            return None
+        header += byte
+    return header
 
 
 def session(limits: Job, status_fd: int) -> None:
     """The zygote: runs no user code itself, forks one interpreter per episode, relays its frames,
-    and on `{"reset": true}` kills the episode's processes and wipes what it could have changed.
-
-    Non-dumpable, so that same-uid code cannot ptrace it or read or write its memory through /proc;
-    it may still kill it, which ends the sandbox (the host sees EOF and discards it). Any failure to
-    restore a clean state exits too: a sandbox is reused only when the reset fully succeeded."""
+    and on `reset` kills the episode's processes and wipes what it could have changed. Any failure to
+    restore a clean state exits: a sandbox is reused only when the reset fully succeeded."""
     lib = libc()
     if lib.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError("prctl(PR_SET_DUMPABLE) failed")
+    # Only as PID 1 is the zygote the sole holder of the host's pipes, so only then may it hand the
+    # sandbox to another episode (Docker runs one container per session and never asks to reset).
+    recyclable = os.getpid() == 1
+    signal.signal(signal.SIGCHLD, reap_children)
     announce_start(status_fd)
     host_in, host_out = os.dup(0), os.dup(1)
     replace_fd(os.open(os.devnull, os.O_RDONLY), 0)
     replace_fd(os.open(os.devnull, os.O_WRONLY), 1)
-    clean = snapshot()
+    clean = snapshot(lib)
     status = 0
     try:
         to_repl, from_repl, pidfd = fork_repl(limits, (host_in, host_out), lib)
-        relay(from_repl, host_out, pidfd)  # its ready frame
+        relay_reply(from_repl, host_out, pidfd, READY_FRAME_CAP)
         while True:
-            request = read_frame(host_in)
-            if request is None:
+            header = read_host_header(host_in)
+            if header is None:
                 break
-            if request.get("reset"):
+            if header == b"reset\n":
+                if not recyclable:
+                    raise RuntimeError("a zygote that is not PID 1 cannot reset its sandbox")
                 for fd in (to_repl, from_repl, pidfd):
                     os.close(fd)
                 reset(clean, lib)
                 to_repl, from_repl, pidfd = fork_repl(limits, (host_in, host_out), lib)
-                relay(from_repl, host_out, pidfd)
+                relay_reply(from_repl, host_out, pidfd, READY_FRAME_CAP)
                 continue
-            write_frame(to_repl, request)
-            relay(from_repl, host_out, pidfd)
+            size, cap = (int(field) for field in header.split())
+            write_all(to_repl, b"%d\n" % size)
+            splice_exactly(host_in, to_repl, size)
+            relay_reply(from_repl, host_out, pidfd, cap)
+    except ProtocolViolationError as violation:
+        with contextlib.suppress(OSError):
+            write_all(host_out, b"!%s\n" % str(violation).encode())
+        status = 1
     except BaseException:
         traceback.print_exc()
         status = 1
-    # Take the episode's processes down with us: bubblewrap's init waits for all of its children
-    # before it exits, and the host only sees EOF once it has.
+    # Take the episode's processes down with us (the host sees EOF once every holder of the pipes is
+    # gone; as PID 1, our exit alone ends the namespace).
     with contextlib.suppress(ProcessLookupError):
         os.kill(-1, signal.SIGKILL)
     os._exit(status)
@@ -512,6 +636,58 @@ def session(limits: Job, status_fd: int) -> None:
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+
+
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+SYSCALLS = {"x86_64": {"unshare": 272, "clone": 56}, "aarch64": {"unshare": 97, "clone": 220}}
+SYS_CLONE3, CLONE_NEWUSER, X32_SYSCALL_BIT = 435, 0x10000000, 0x40000000
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+BPF_LD_ABS, BPF_JEQ, BPF_JGE, BPF_JSET, BPF_RET = 0x20, 0x15, 0x35, 0x45, 0x06
+
+
+def refuse_user_namespaces(libc: Any) -> None:
+    """A seccomp filter that refuses new user namespaces (EPERM for clone/unshare with CLONE_NEWUSER;
+    ENOSYS for clone3, whose flags a filter cannot read, so libc falls back to clone) and every
+    syscall of another ABI. In a user namespace of its own, code could mount unsized tmpfs and
+    escape the sandbox's memory limit; bubblewrap's --disable-userns does this job when it runs."""
+    import ctypes
+    import platform
+
+    machine = platform.machine()
+    if machine not in AUDIT_ARCH:
+        raise OSError(f"no seccomp filter for {machine}; use bubblewrap")
+    numbers = SYSCALLS[machine]
+    program = [  # (code, jump if true, jump if false, k); jumps are relative to the next instruction
+        (BPF_LD_ABS, 0, 0, 4),  # 0: the syscall's ABI
+        (BPF_JEQ, 0, 8, AUDIT_ARCH[machine]),  # 1: another ABI -> refuse
+        (BPF_LD_ABS, 0, 0, 0),  # 2: the syscall number
+        (BPF_JGE, 6, 0, X32_SYSCALL_BIT),  # 3: x32 numbers -> refuse
+        (BPF_JEQ, 6, 0, SYS_CLONE3),  # 4: clone3 -> ENOSYS
+        (BPF_JEQ, 1, 0, numbers["unshare"]),  # 5
+        (BPF_JEQ, 0, 2, numbers["clone"]),  # 6: neither -> allow
+        (BPF_LD_ABS, 0, 0, 16),  # 7: flags (first argument, low word)
+        (BPF_JSET, 1, 0, CLONE_NEWUSER),  # 8
+        (BPF_RET, 0, 0, SECCOMP_RET_ALLOW),  # 9
+        (BPF_RET, 0, 0, SECCOMP_RET_ERRNO | 1),  # 10: EPERM
+        (BPF_RET, 0, 0, SECCOMP_RET_ERRNO | 38),  # 11: ENOSYS
+    ]
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [
+            ("code", ctypes.c_ushort),
+            ("jt", ctypes.c_ubyte),
+            ("jf", ctypes.c_ubyte),
+            ("k", ctypes.c_uint),
+        ]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    filters = (SockFilter * len(program))(*(SockFilter(*row) for row in program))
+    fprog = SockFprog(len(program), filters)
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "seccomp filter refused")
 
 
 def setup_root(spec: Job) -> None:
@@ -555,6 +731,11 @@ def setup_root(spec: Job) -> None:
         open(f"{new}/dev/{device}", "w").close()
         bind(f"/dev/{device}", f"{new}/dev/{device}", writable=True)
     os.symlink("/proc/self/fd", new + "/dev/fd")
+    # POSIX shared memory and semaphores (multiprocessing) live in /dev/shm: a tmpfs of its own, sized.
+    os.mkdir(new + "/dev/shm")
+    mount(
+        "tmpfs", new + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777,uid={uid},gid={uid}"
+    )
     os.mkdir(new + "/proc")
     mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for path in (spec["work"], "/tmp"):
@@ -575,14 +756,28 @@ def setup_root(spec: Job) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PDEATHSIG) failed")
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(NO_NEW_PRIVS) failed")
+    refuse_user_namespaces(libc)
+    # Keyrings are per uid here (no user namespace), and pool uids are reused by later sandboxes.
+    forget_keyrings(libc)
     os.environ.clear()
     os.environ.update(spec["env"])
     os.chdir(spec["work"])
 
 
+def close_inherited_fds(keep: int) -> None:
+    """Close every descriptor but the standard three and `keep`: nothing the host's process tree held
+    open by accident may reach the user's code."""
+    if keep >= 3:
+        os.closerange(3, keep)
+        os.closerange(keep + 1, 1 << 20)
+    else:
+        os.closerange(3, 1 << 20)
+
+
 if __name__ == "__main__":
     # argv: MODE STATUS_FD LIMITS_JSON|- [ROOT_SPEC_JSON]. STATUS_FD is -1 where the host needs no start
     # signal; ROOT_SPEC_JSON is given only by the `unshare` fallback (bubblewrap builds the root itself).
+    close_inherited_fds(int(sys.argv[2]))
     if len(sys.argv) > 4:
         setup_root(json.loads(sys.argv[4]))
     if sys.argv[1] == "session":

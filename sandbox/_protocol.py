@@ -37,10 +37,28 @@ def frame(payload: dict[str, Any]) -> bytes:
     return b"%d\n" % len(data) + data
 
 
+RESET_MESSAGE = b"reset\n"
+"""Asks a session zygote to end the episode and make the sandbox clean for the next one."""
+READY_CAP = 64
+"""Bytes a session interpreter's ready frame may take."""
+_REPLY_KINDS = ("ok", "error", "timeout", "memory")
+
+
+class SandboxProtocolError(Exception):
+    """A sandbox answered with something that is not a well-formed reply: the sandbox is ended (never
+    reused) and the call reports `sandbox_error`. Everything from a sandbox is untrusted input."""
+
+
+def reply_cap(limits: Limits) -> int:
+    """The largest reply frame a session cell can honestly produce: both streams' capped heads in
+    base64 plus the JSON around them. The zygote refuses anything larger, and so does the host."""
+    return 2 * 4 * ((limits.output_cap_bytes + 2) // 3) + 512
+
+
 def session_message(request: ExecRequest) -> bytes:
-    """The frame that asks a session launcher to run one cell."""
+    """The message that asks a session zygote to run one cell (`SIZE CAP\n` + JSON payload)."""
     limits = request.limits
-    return frame(
+    payload = json.dumps(
         {
             "code": request.code,
             "stdin": base64.b64encode(request.stdin).decode(),
@@ -48,7 +66,58 @@ def session_message(request: ExecRequest) -> bytes:
             "cpu_s": limits.effective_cpu_s,
             "output_cap_bytes": limits.output_cap_bytes,
         }
-    )
+    ).encode()
+    return b"%d %d\n" % (len(payload), reply_cap(limits)) + payload
+
+
+def frame_size(header: bytes, cap: int) -> int:
+    """The payload size a sandbox's frame header announces, checked against `cap`."""
+    text = header.rstrip(b"\n")
+    if text.startswith(b"!"):
+        reason = text[1:200].decode("utf-8", "replace")
+        raise SandboxProtocolError(f"the sandbox ended the session: the episode wrote {reason}")
+    if not text.isdigit() or len(text) > 12:
+        raise SandboxProtocolError(f"malformed frame header {text[:40]!r} from the sandbox")
+    size = int(text)
+    if size > cap:
+        raise SandboxProtocolError(f"a frame of {size} bytes from the sandbox, over the {cap}-byte cap")
+    return size
+
+
+def decode_ready(payload: bytes) -> None:
+    """Check a session interpreter's first frame, which must be exactly `{"ready": true}`."""
+    try:
+        value = json.loads(payload)
+    except ValueError as error:
+        raise SandboxProtocolError(f"a malformed ready frame: {error}") from None
+    if value != {"ready": True}:
+        raise SandboxProtocolError(f"unexpected first frame from the sandbox: {str(value)[:80]}")
+
+
+def decode_reply(payload: bytes, limits: Limits) -> dict[str, Any]:
+    """A session cell's reply, parsed and schema-checked: kinds, types, base64 and sizes."""
+    try:
+        reply = json.loads(payload)
+    except ValueError as error:
+        raise SandboxProtocolError(f"a malformed reply from the sandbox: {error}") from None
+    expected = {"kind", "exit_code", "stdout", "stdout_total", "stderr", "stderr_total"}
+    if not isinstance(reply, dict) or set(reply) != expected:
+        raise SandboxProtocolError("a reply from the sandbox with the wrong fields")
+    exit_code = reply["exit_code"]
+    if reply["kind"] not in _REPLY_KINDS or not (exit_code is None or type(exit_code) is int):
+        raise SandboxProtocolError("a reply from the sandbox with a bad kind or exit code")
+    for stream in ("stdout", "stderr"):
+        head, total = reply[stream], reply[f"{stream}_total"]
+        if not isinstance(head, str) or type(total) is not int:
+            raise SandboxProtocolError(f"a reply from the sandbox with a mistyped {stream}")
+        try:
+            data = base64.b64decode(head, validate=True)
+        except ValueError:
+            raise SandboxProtocolError(f"a reply from the sandbox with bad base64 in {stream}") from None
+        if len(data) > limits.output_cap_bytes or not len(data) <= total <= 1 << 50:
+            raise SandboxProtocolError(f"a reply from the sandbox with inconsistent {stream} sizes")
+        reply[stream] = data
+    return dict(reply)
 
 
 class UidPool:
@@ -71,20 +140,21 @@ class UidPool:
             self._free.append(uid)
 
 
-def session_result(reply: dict[str, object], limits: Limits, notice: str, duration: float) -> ExecResult:
+def session_result(reply: dict[str, Any], limits: Limits, notice: str, duration: float) -> ExecResult:
+    """The result of a session cell from its `decode_reply`-checked reply."""
+
     def text(key: str) -> tuple[str, bool]:
         capture = OutputCapture(limits.output_cap_bytes)
-        head = base64.b64decode(str(reply[key]))
-        capture.feed(head)
-        capture.total = int(str(reply[f"{key}_total"]))
+        capture.feed(reply[key])
+        capture.total = reply[f"{key}_total"]
         return capture.text(), capture.truncated
 
     stdout, out_cut = text("stdout")
     stderr, err_cut = text("stderr")
     stderr = notice + stderr
-    total = int(str(reply["stdout_total"])) + int(str(reply["stderr_total"]))
-    exit_code = reply["exit_code"] if isinstance(reply["exit_code"], int) else None
-    status, reason = cell_verdict(str(reply["kind"]), exit_code, total, limits)
+    total = reply["stdout_total"] + reply["stderr_total"]
+    exit_code = reply["exit_code"]
+    status, reason = cell_verdict(reply["kind"], exit_code, total, limits)
     fields = {"stdout_truncated": out_cut, "stderr_truncated": err_cut}
     return ExecResult(status, exit_code, stdout, stderr, duration, reason, **fields)
 

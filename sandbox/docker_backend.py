@@ -35,6 +35,7 @@ import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -43,14 +44,21 @@ import docker
 from docker.errors import DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig
 
+from sandbox._hide_proc import HIDE_PROC_EXIT, HIDE_PROC_FAILED
 from sandbox._protocol import (
     DIED_NOTICE,
     LAUNCHER_SOURCE,
+    READY_CAP,
     RESTART_NOTICE,
     SANDBOX_ENV,
     SESSION_GRACE_S,
     WORK_DIR,
+    SandboxProtocolError,
     UidPool,
+    decode_ready,
+    decode_reply,
+    frame_size,
+    reply_cap,
     session_message,
     session_result,
 )
@@ -73,8 +81,9 @@ _FAILURES = (DockerException, OSError, EOFError)
 """What a failing daemon raises: SDK errors, connection errors (requests' are OSErrors), cut streams."""
 _EXEC_FAILED = "OCI runtime exec failed"
 """What the daemon writes to an exec's output when runc cannot start its process."""
+_HIDE_PROC_SOURCE = resources.files("sandbox").joinpath("_hide_proc.py").read_text()
+"""Run ahead of the launcher when `DockerOptions.hide_proc` (see sandbox/_hide_proc.py)."""
 _STREAM_CHUNK = 65536
-_MAX_SESSION_FRAME = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,10 @@ class DockerOptions:
     """Timeout of each call to the daemon; a daemon that hangs longer yields `sandbox_error`."""
     api_threads: int = 8
     """Threads (and pooled daemon connections) for the blocking SDK calls."""
+    hide_proc: bool = True
+    """Let the code open no file under /proc (Landlock, Linux 5.13+), whose mount tables show the
+    daemon's /var/lib/docker paths and the container's id; False where the kernel lacks Landlock (every
+    run is a `sandbox_error` saying so otherwise)."""
 
     def __post_init__(self) -> None:
         if self.warm_pool < 0 or self.max_concurrency < 1 or self.uid_count < 1 or self.api_threads < 1:
@@ -380,7 +393,8 @@ class DockerBackend:
             raise
         box = _Box(container_id, shape, uid, since)
         try:
-            command = [self.options.python, "-I", "-c", LAUNCHER_SOURCE, *launcher_args]
+            source = _HIDE_PROC_SOURCE + LAUNCHER_SOURCE if self.options.hide_proc else LAUNCHER_SOURCE
+            command = [self.options.python, "-I", "-c", source, *launcher_args]
             created_exec = await self._api_call(
                 "exec_create", container_id, command, stdin=True, stdout=True, stderr=True, workdir=WORK_DIR
             )
@@ -597,6 +611,8 @@ class DockerBackend:
     async def _exited(
         self, box: _Box, exit_code: int, out: OutputCapture, err: OutputCapture, duration: float
     ) -> ExecResult:
+        if exit_code == HIDE_PROC_EXIT and err.text().startswith(HIDE_PROC_FAILED):
+            return ExecResult.sandbox_error(f"{err.text().strip()[-500:]} (see DockerOptions.hide_proc)", duration)
         if exit_code in (126, 127) and _EXEC_FAILED in out.text():
             # runc could not start the launcher (no such interpreter in the image): not the code's fault
             return ExecResult.sandbox_error(
@@ -716,13 +732,11 @@ class DockerSession:
             _Shape.of(self.limits), "session", "-1", json.dumps(self.limits.to_wire())
         )
         try:
-            ready = await asyncio.wait_for(self._read_frame(), 30)
-            if not ready.get("ready"):
-                raise ValueError(f"unexpected first frame {ready}")
+            decode_ready(await asyncio.wait_for(self._read_frame(READY_CAP), 30))
         except BaseException as error:
             self._backend._dispose(self._box)
             self._box = None
-            if isinstance(error, EOFError | ValueError):
+            if isinstance(error, EOFError | ValueError | SandboxProtocolError):
                 detail = f"{error}: {self._stderr.text()[-500:]}"
                 raise RuntimeError(f"sandbox session failed to start: {detail}") from error
             raise
@@ -738,21 +752,20 @@ class DockerSession:
         else:
             self._stdout += chunk
 
-    async def _read_frame(self) -> dict[str, object]:
+    async def _read_frame(self, cap: int) -> bytes:
+        """One frame's payload; SandboxProtocolError for a bad header or one over `cap` bytes."""
         while b"\n" not in self._stdout:
-            if len(self._stdout) > 32:
-                raise ValueError("malformed frame header from the sandbox")
+            if len(self._stdout) > 256:
+                raise SandboxProtocolError("malformed frame header from the sandbox")
             await self._more()
         header, _, rest = bytes(self._stdout).partition(b"\n")
-        size = int(header)
-        if size > _MAX_SESSION_FRAME:
-            raise ValueError(f"oversized frame ({size} bytes) from the sandbox")
+        size = frame_size(header, cap)
         self._stdout = bytearray(rest)
         while len(self._stdout) < size:
             await self._more()
-        frame: dict[str, object] = json.loads(bytes(self._stdout[:size]))
+        payload = bytes(self._stdout[:size])
         del self._stdout[:size]
-        return frame
+        return payload
 
     async def run(self, request: ExecRequest) -> ExecResult:
         """Run one cell (Python only); the value of a trailing expression is printed."""
@@ -783,11 +796,17 @@ class DockerSession:
         started = time.monotonic()
         try:
             await self._box.stream.send(session_message(request))
-            reply = await asyncio.wait_for(self._read_frame(), limits.timeout_s + SESSION_GRACE_S)
+            payload = await asyncio.wait_for(
+                self._read_frame(reply_cap(limits)), limits.timeout_s + SESSION_GRACE_S
+            )
+            reply = decode_reply(payload, limits)
         except TimeoutError:
             await self._kill()
             reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded; the session was restarted"
             return ExecResult(ExecStatus.TIMEOUT, None, notice, "", time.monotonic() - started, reason)
+        except SandboxProtocolError as error:
+            await self._kill()
+            return ExecResult.sandbox_error(f"{error}; the session was restarted", time.monotonic() - started)
         except (*_FAILURES, ValueError) as error:
             box = self._box
             await self._kill()

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import time
@@ -34,15 +35,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sandbox._cgroup import (
+    CgroupTree,
+    SandboxCgroup,
+    cpu_budget,
+    cpus_available,
+    fallback_bound,
+    process_tree_cpu_s,
+)
 from sandbox._proc import Child
 from sandbox._protocol import (
     DIED_NOTICE,
     LAUNCHER_SOURCE,
+    READY_CAP,
+    RESET_MESSAGE,
     RESTART_NOTICE,
     SANDBOX_ENV,
     SESSION_GRACE_S,
     WORK_DIR,
+    SandboxProtocolError,
     UidPool,
+    decode_ready,
+    decode_reply,
+    frame_size,
+    reply_cap,
     session_message,
     session_result,
 )
@@ -73,6 +89,10 @@ class LocalOptions:
     """Path to bubblewrap; None finds it on PATH."""
     isolation: str = "auto"
     """`bwrap`, `unshare` (root only), or `auto`: bubblewrap when present, else unshare."""
+    cgroups: bool = True
+    """Give every sandbox a cgroup of its own (memory, CPU time and tasks counted over all its
+    processes, tmpfs pages included) where the host lets this process create one (root with cgroup v1
+    controllers); elsewhere per-process rlimits and a CPU watch over /proc remain (`limits_mechanism`)."""
     recycle_sessions: bool = True
     """Reuse a closed session's sandbox for a later session with the same limits, after its zygote
     killed every process of the episode and wiped its files (a few ms instead of a sandbox start).
@@ -97,9 +117,17 @@ class _Box:
     """One bubblewrap sandbox process (its launcher waits for a job or serves a session)."""
 
     def __init__(
-        self, child: Child, info_read: int, status_read: int, uid: int | None, pool: UidPool | None
+        self,
+        child: Child,
+        info_read: int,
+        status_read: int,
+        uid: int | None,
+        pool: UidPool | None,
+        cgroup: SandboxCgroup | None,
     ) -> None:
         self.child = child
+        self.cgroup = cgroup
+        """The sandbox's own cgroup (memory, CPU and task limits over all its processes), if any."""
         self._info_read = info_read
         self._status_read = status_read
         self._started = False
@@ -110,6 +138,15 @@ class _Box:
         self.busy = False
         """A session call was sent and its reply not read back: the sandbox is in no state to reuse."""
         self.episodes = 0
+
+    def cpu_s(self) -> float:
+        """CPU time used so far by every process of this sandbox together."""
+        if self.cgroup is not None:
+            return self.cgroup.cpu_s()
+        return process_tree_cpu_s(self.child.pid)
+
+    def oom_kills(self) -> int:
+        return self.cgroup.oom_kills() if self.cgroup is not None else 0
 
     def started(self) -> bool:
         """True once the launcher said it handed over to the user's code (so a failure is theirs)."""
@@ -142,6 +179,9 @@ class _Box:
         if self._uid is not None and self._pool is not None:
             self._pool.give(self._uid)
             self._uid = None
+        if self.cgroup is not None:
+            self.cgroup.remove()  # one still holding exiting processes goes at the next sweep
+            self.cgroup = None
 
 
 _PoolKey = tuple[str, str]
@@ -151,6 +191,21 @@ _MAX_POOLS = 8
 _MAX_EPISODES = 256
 """Sessions one sandbox serves before it is replaced (bounds what a slow leak could accumulate)."""
 _RESET_TIMEOUT_S = 2.0
+
+
+_MEMORY_REASON = "memory limit of {} MiB exceeded (all processes of the sandbox together)"
+_SESSION_CPU_GRACE_S = 2.0
+"""CPU seconds past a session call's `cpu_s` before the host ends the whole sandbox: the in-sandbox
+per-cell limit (whole seconds, on the interpreter alone) interrupts a runaway cell first and keeps
+the session; the host's count over every process catches what that cannot (background children)."""
+_TASK_OVERHEAD = 3
+"""Tasks of a sandbox that are not the user's: bubblewrap's outer process, its init (or the zygote)
+and the launcher's interpreter all count, as they do in the uid's RLIMIT_NPROC."""
+
+
+def _cgroup_limits(limits: Limits) -> tuple[int, int]:
+    """(memory bytes, tasks) of a sandbox's cgroup for `limits`."""
+    return limits.memory_mb * 1024 * 1024, limits.max_processes + _TASK_OVERHEAD
 
 
 def _oneshot_key(limits: Limits) -> _PoolKey:
@@ -209,22 +264,41 @@ class LocalBackend:
         """Recyclable session sandboxes in use per pool: they count as supply when refilling."""
         self.recycled = 0
         """Session sandboxes reset and returned to the warm pool (a counter, for tests and benchmarks)."""
+        tree_name = f"pacerl-{os.getpid()}-{secrets.token_hex(4)}"
+        self._cgroups = CgroupTree.detect(tree_name) if self.options.cgroups else None
+        self._cpus = cpus_available()
         self._closed = False
+
+    @property
+    def limits_mechanism(self) -> str:
+        """How the whole-sandbox limits are enforced here, in words."""
+        if self._cgroups is not None:
+            return "cgroup v1 per sandbox (memory, cpuacct, pids): all its processes counted together"
+        defaults = Limits()
+        bound = fallback_bound(
+            defaults.memory_mb, defaults.max_processes, defaults.max_open_files, defaults.max_file_mb
+        )
+        return f"{bound}; CPU time summed from /proc over the sandbox's process tree"
 
     # -- sandbox processes ---------------------------------------------------------------------------
 
     def _bwrap_argv(self, launcher_args: list[str], limits: Limits, info_fd: int) -> list[str]:
         assert self._bwrap is not None
         size = str(limits.work_dir_mb * 1024 * 1024)
-        argv = [self._bwrap, "--info-fd", str(info_fd), "--unshare-all", "--die-with-parent", "--new-session"]
-        argv += ["--hostname", "sandbox"]
+        argv = [self._bwrap, "--info-fd", str(info_fd), "--unshare-all", "--unshare-user", "--disable-userns"]
+        argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
+        if launcher_args[0] == "session":
+            # The zygote becomes PID 1 itself: bubblewrap's reaper would otherwise be a same-uid,
+            # ptraceable process holding the host's pipes.
+            argv.append("--as-pid-1")
         for path in self._read_only_paths():
             argv += ["--ro-bind", path, path]
         for name, target in _TOP_SYMLINKS.items():
             argv += ["--symlink", target, name]
-        argv += ["--proc", "/proc", "--dev", "/dev"]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--perms", "1777", "--tmpfs", "/dev/shm"]
         argv += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", WORK_DIR, "--chdir", WORK_DIR]
-        argv += ["--remount-ro", "/", "--clearenv"]
+        # /dev read-only: no modes, ACLs, xattrs or entries there that could outlive an episode.
+        argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--clearenv"]
         for key, value in SANDBOX_ENV.items():
             argv += ["--setenv", key, value]
         return [*argv, "--", self.options.python, "-I", "-c", LAUNCHER_SOURCE, *launcher_args]
@@ -259,7 +333,11 @@ class LocalBackend:
         os.set_blocking(info_read, False)
         os.set_blocking(status_read, False)
         uid = self._uids.take() if self._uids is not None else None
+        cgroup = None
         try:
+            if self._cgroups is not None:
+                self._cgroups.sweep()
+                cgroup = self._cgroups.create(secrets.token_hex(6), *_cgroup_limits(limits))
             launcher_args = [mode, str(status_write), limits_json]
             if self._bwrap is not None:
                 argv = self._bwrap_argv(launcher_args, limits, info_write)
@@ -276,17 +354,26 @@ class LocalBackend:
                     argv = [self._setpriv, *ids, "--", *argv]
                 else:
                     as_user = {"user": uid, "group": uid, "extra_groups": []}
-            child = Child(argv, pass_fds=(info_write, status_write), **as_user)
+            # Only bubblewrap reads the info descriptor; the launcher closes whatever else it inherits.
+            fds = (info_write, status_write) if self._bwrap else (status_write,)
+            # A clean environment from the first process on: bubblewrap's and unshare's own processes
+            # are visible inside (/proc/1/environ), so the host's variables must never reach them.
+            env = dict(SANDBOX_ENV)
+            placed = cgroup.placing_children() if cgroup is not None else contextlib.nullcontext()
+            with placed:
+                child = Child(argv, pass_fds=fds, env=env, **as_user)
         except BaseException:
             os.close(info_read)
             os.close(status_read)
             if uid is not None and self._uids is not None:
                 self._uids.give(uid)
+            if cgroup is not None:
+                cgroup.remove()
             raise
         finally:
             os.close(info_write)
             os.close(status_write)
-        return _Box(child, info_read, status_read, uid, self._uids)
+        return _Box(child, info_read, status_read, uid, self._uids, cgroup)
 
     def _pool_size(self, key: _PoolKey) -> int:
         return self.options.warm_pool if key[0] == "oneshot" else self.options.warm_sessions
@@ -350,12 +437,11 @@ class LocalBackend:
                 and not box.busy
                 and box.episodes < _MAX_EPISODES
             ):
-                with contextlib.suppress(TimeoutError, EOFError, OSError, ValueError):
-                    await box.child.write(b'15\n{"reset": true}')
-                    ready = await asyncio.wait_for(LocalSession._read_frame(box), _RESET_TIMEOUT_S)
-                    pooled = (
-                        ready.get("ready") is True and not self._closed and len(pool) < self._idle_cap(key)
-                    )
+                with contextlib.suppress(TimeoutError, EOFError, OSError, ValueError, SandboxProtocolError):
+                    await box.child.write(RESET_MESSAGE)
+                    ready = await asyncio.wait_for(LocalSession._read_frame(box, READY_CAP), _RESET_TIMEOUT_S)
+                    decode_ready(ready)
+                    pooled = not self._closed and len(pool) < self._idle_cap(key)
             if pooled:
                 assert pool is not None
                 box.episodes += 1
@@ -394,15 +480,23 @@ class LocalBackend:
             asyncio.ensure_future(child.drain(child.stderr_fd, err, limits.output_kill_bytes)),
         ]
         exited = asyncio.ensure_future(child.wait())
+        if box.cgroup is not None:  # the job's own limits, over every process of the sandbox
+            box.cgroup.set_limits(*_cgroup_limits(limits))
+        cpu_start = box.cpu_s()
+        cpu_spent = asyncio.ensure_future(
+            cpu_budget(lambda: box.cpu_s() - cpu_start, limits.effective_cpu_s, self._cpus)
+        )
         flood = False
         with contextlib.suppress(TimeoutError, OSError):
             await asyncio.wait_for(child.write(b"%d\n" % len(job) + job), limits.timeout_s)
-            pending: set[asyncio.Future[Any]] = {exited, *readers}
-            while not exited.done() and not flood and time.monotonic() < deadline:
+            pending: set[asyncio.Future[Any]] = {exited, cpu_spent, *readers}
+            while not exited.done() and not flood and not cpu_spent.done() and time.monotonic() < deadline:
                 done, pending = await asyncio.wait(
                     pending, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
                 )
                 flood = any(reader in done and reader.result() for reader in readers)
+        out_of_cpu = cpu_spent.done() and not exited.done()
+        cpu_spent.cancel()
         killed = not exited.done()
         if killed:
             box.kill()
@@ -414,6 +508,9 @@ class LocalBackend:
         if flood:
             reason = "output limit exceeded"
             return ExecResult.captured(ExecStatus.OUTPUT_LIMIT, None, out, err, duration, reason)
+        if out_of_cpu:
+            reason = f"CPU-time limit of {limits.effective_cpu_s} s exceeded (all processes together)"
+            return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason)
         if killed:
             reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded"
             return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason)
@@ -425,6 +522,8 @@ class LocalBackend:
         if exit_code > 128:  # bubblewrap reports death by signal N as 128 + N
             exit_code = -(exit_code - 128)
         status, reason = classify_exit(exit_code, err.text())
+        if status is not ExecStatus.OK and box.oom_kills() > 0:
+            status, reason = ExecStatus.MEMORY, _MEMORY_REASON.format(limits.memory_mb)
         return ExecResult.captured(status, exit_code, out, err, duration, reason)
 
     # -- sessions --------------------------------------------------------------------------------------
@@ -465,29 +564,56 @@ class LocalSession:
         self._box: _Box | None = None
         self._lost_state = False
         self._lock = asyncio.Lock()
+        self._cpu_watch: asyncio.Task[None] | None = None
+        self._cpu_base = 0.0
+        self._out_of_cpu = False
 
     async def start(self) -> None:
         key = _session_key(self.limits)
         self._box = await self._backend._take_box(key)
         self._backend._lend(key)
         if not self._box.greeted:
-            ready = await asyncio.wait_for(self._read_frame(self._box), 30)
-            if not ready.get("ready"):
-                raise RuntimeError(f"sandbox session failed to start: {ready}")
+            try:
+                decode_ready(await asyncio.wait_for(self._read_frame(self._box, READY_CAP), 30))
+            except (SandboxProtocolError, EOFError) as error:
+                raise RuntimeError(f"sandbox session failed to start: {error}") from None
             self._box.greeted = True
+        self._cpu_base = self._box.cpu_s()
+        self._watch_cpu(self.limits)
+
+    def _watch_cpu(self, limits: Limits) -> None:
+        """(Re)start the watch over the sandbox's CPU time since the last call ended: between calls
+        and during the next one, all its processes together may use `cpu_s` plus a grace, after
+        which the whole sandbox is ended (the next call restarts the session and says so)."""
+        if self._cpu_watch is not None:
+            self._cpu_watch.cancel()
+        box, base = self._box, self._cpu_base
+        assert box is not None
+        budget = limits.effective_cpu_s + _SESSION_CPU_GRACE_S
+
+        async def watch() -> None:
+            await cpu_budget(lambda: box.cpu_s() - base, budget, self._backend._cpus)
+            if self._box is box:
+                self._out_of_cpu = True
+                box.kill()
+
+        self._cpu_watch = asyncio.get_running_loop().create_task(watch())
 
     async def _release(self, reusable: bool) -> None:
         """Hand the sandbox back (recycled if `reusable` and healthy, else killed)."""
+        if self._cpu_watch is not None:
+            self._cpu_watch.cancel()
+            self._cpu_watch = None
         box, self._box = self._box, None
         if box is not None:
             await self._backend._give_back(_session_key(self.limits), box, reusable)
 
     @staticmethod
-    async def _read_frame(box: _Box) -> dict[str, object]:
+    async def _read_frame(box: _Box, cap: int) -> bytes:
+        """One frame's payload; SandboxProtocolError for a bad header or one over `cap` bytes."""
         child = box.child
-        size = int(await child.read_line(child.stdout_fd))
-        frame: dict[str, object] = json.loads(await child.read_exactly(child.stdout_fd, size))
-        return frame
+        size = frame_size(await child.read_line(child.stdout_fd, limit=256), cap)
+        return await child.read_exactly(child.stdout_fd, size)
 
     async def run(self, request: ExecRequest) -> ExecResult:
         """Run one cell (Python only); the value of a trailing expression is printed."""
@@ -509,24 +635,42 @@ class LocalSession:
     async def _call(self, box: _Box, request: ExecRequest, notice: str) -> ExecResult:
         limits = request.limits
         started = time.monotonic()
+        oom_kills = box.oom_kills()
+        self._watch_cpu(limits)
         try:
             box.busy = True  # until the reply is read: a cancelled call leaves a frame in flight
             await box.child.write(session_message(request))
-            reply = await asyncio.wait_for(self._read_frame(box), limits.timeout_s + SESSION_GRACE_S)
+            payload = await asyncio.wait_for(
+                self._read_frame(box, reply_cap(limits)), limits.timeout_s + SESSION_GRACE_S
+            )
+            reply = decode_reply(payload, limits)
             box.busy = False
         except TimeoutError:
             await self._kill()
             reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded; the session was restarted"
             return ExecResult(ExecStatus.TIMEOUT, None, notice, "", time.monotonic() - started, reason)
-        except (EOFError, OSError, ValueError) as error:
+        except SandboxProtocolError as error:
             await self._kill()
-            stderr = notice + DIED_NOTICE
-            return ExecResult(ExecStatus.ERROR, None, "", stderr, time.monotonic() - started, str(error))
+            return ExecResult.sandbox_error(f"{error}; the session was restarted", time.monotonic() - started)
+        except (EOFError, OSError, ValueError) as error:
+            out_of_cpu, out_of_memory = self._out_of_cpu, box.oom_kills() > oom_kills
+            await self._kill()
+            duration = time.monotonic() - started
+            if out_of_cpu:
+                reason = f"CPU-time limit of {limits.effective_cpu_s} s exceeded (all processes together)"
+                return ExecResult(ExecStatus.TIMEOUT, None, "", notice + DIED_NOTICE, duration, reason)
+            if out_of_memory:
+                reason = _MEMORY_REASON.format(limits.memory_mb)
+                return ExecResult(ExecStatus.MEMORY, None, "", notice + DIED_NOTICE, duration, reason)
+            return ExecResult(ExecStatus.ERROR, None, "", notice + DIED_NOTICE, duration, str(error))
+        self._cpu_base = box.cpu_s()
+        self._watch_cpu(self.limits)
         return session_result(reply, limits, notice, time.monotonic() - started)
 
     async def _kill(self) -> None:
         await self._release(reusable=False)
         self._lost_state = True
+        self._out_of_cpu = False
 
     async def reset(self) -> None:
         """Forget every variable: a fresh interpreter in a clean (fresh or recycled) sandbox."""

@@ -1,0 +1,238 @@
+"""Whole-sandbox limits: one cgroup per sandbox for memory, CPU time and processes.
+
+Per-process rlimits bound each process, not the sandbox: six children of 400 MiB each pass a 512 MiB
+RLIMIT_AS, memfds, /dev/shm and tmpfs pages count against none of them, and a background child's CPU
+escapes a session cell's RLIMIT_CPU. A cgroup counts every process of the sandbox, its anonymous and
+shared memory and the pages of its tmpfs mounts, and its CPU time as one number.
+
+The host creates the cgroups in its own cgroup (so they stay under whatever limits the host runs
+with) and starts each sandbox inside one: the spawning thread joins the sandbox's cgroups, forks, and
+leaves them again (cgroup v1 places threads one by one), so the sandbox's first process is born
+inside and everything it forks inherits the placement, with no window in which it runs outside.
+
+Mechanisms, in order of preference (`CgroupTree.detect`):
+- cgroup v1 with the `memory`, `cpuacct` and `pids` controllers writable (root on most hosts and
+  on this project's machines): memory.limit_in_bytes (+ memsw where swap accounting exists),
+  pids.max, and cpuacct.usage read by the host's CPU budget (`cpu_budget`).
+- none: the per-process rlimits stay the only bound. `fallback_bound` says what they still cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+CONTROLLERS = ("memory", "cpuacct", "pids")
+"""The cgroup v1 controllers a sandbox cgroup uses."""
+_ROOT = Path("/sys/fs/cgroup")
+_MIN_CHECK_S = 0.02
+"""Shortest wait between two reads of a sandbox's CPU time (bounds the overshoot to CPUs x this)."""
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup path per v1 controller, from /proc/self/cgroup."""
+    paths: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for controller in controllers.split(","):
+                if controller:
+                    paths[controller] = path
+    return paths
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(value)
+
+
+@dataclass(frozen=True)
+class CgroupTree:
+    """Where this process's sandbox cgroups live: one folder per controller, made at first use."""
+
+    folders: dict[str, Path]
+    """Controller -> the folder under which each sandbox gets a cgroup of its own."""
+
+    @staticmethod
+    def detect(name: str) -> CgroupTree | None:
+        """The tree for this process (`name` is its folder: one per backend), or None where the
+        controllers are missing or not writable (not root, cgroup v2 without delegation)."""
+        own = _own_cgroups()
+        folders: dict[str, Path] = {}
+        for controller in CONTROLLERS:
+            if controller not in own:
+                return None
+            base = _ROOT / controller / own[controller].lstrip("/")
+            folder = base / name
+            try:
+                folder.mkdir(exist_ok=True)
+            except OSError:
+                return None
+            if not os.access(folder / "cgroup.procs", os.W_OK):
+                return None
+            folders[controller] = folder
+        tree = CgroupTree(folders)
+        tree.sweep()
+        return tree
+
+    def create(self, name: str, memory_bytes: int, max_tasks: int) -> SandboxCgroup:
+        """A cgroup for one sandbox with its memory and task limits set (before anything runs in it)."""
+        paths = {controller: folder / name for controller, folder in self.folders.items()}
+        made: list[Path] = []
+        try:
+            for path in paths.values():
+                path.mkdir()
+                made.append(path)
+            cgroup = SandboxCgroup(paths)
+            cgroup.set_limits(memory_bytes, max_tasks)
+        except BaseException:
+            for path in made:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            raise
+        return cgroup
+
+    def sweep(self) -> None:
+        """Remove the empty cgroups left behind (a sandbox whose processes were still exiting)."""
+        for folder in self.folders.values():
+            with contextlib.suppress(OSError):
+                for child in folder.iterdir():
+                    if child.is_dir():
+                        with contextlib.suppress(OSError):
+                            child.rmdir()
+
+    def remove(self) -> None:
+        """Remove this process's folders once every sandbox cgroup in them is gone."""
+        self.sweep()
+        for folder in self.folders.values():
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+class SandboxCgroup:
+    """The cgroups of one sandbox."""
+
+    def __init__(self, paths: dict[str, Path]) -> None:
+        self.paths = paths
+        self._oom_kills_at_start = self.oom_kills()
+
+    def set_limits(self, memory_bytes: int, max_tasks: int) -> None:
+        """Cap the sandbox's memory (anonymous, shared, tmpfs and kernel, all processes) and tasks."""
+        memory = self.paths["memory"]
+        memsw = memory / "memory.memsw.limit_in_bytes"
+        # With swap accounting, memory+swap is capped at the same figure: no paging out past it. The
+        # kernel wants memory <= memory+swap at every moment, so the order depends on the direction.
+        current = int((memory / "memory.limit_in_bytes").read_text())
+        order = ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
+        if memsw.exists() and memory_bytes > current:
+            order.reverse()
+        for name in order:
+            if (memory / name).exists():
+                _write(memory / name, str(memory_bytes))
+        _write(self.paths["pids"] / "pids.max", str(max_tasks))
+
+    @contextlib.contextmanager
+    def placing_children(self) -> Iterator[None]:
+        """Within this block, processes the calling thread forks are born in this cgroup."""
+        tid = str(threading.get_native_id())
+        homes = {controller: path.parent.parent for controller, path in self.paths.items()}
+        # The thread's current cgroup per controller is two levels up: <own cgroup>/<tree>/<sandbox>.
+        for path in self.paths.values():
+            _write(path / "tasks", tid)
+        try:
+            yield
+        finally:
+            for controller in self.paths:
+                _write(homes[controller] / "tasks", tid)
+
+    def cpu_s(self) -> float:
+        """CPU time used by every process that ever ran in the sandbox, in seconds."""
+        return int((self.paths["cpuacct"] / "cpuacct.usage").read_text()) / 1e9
+
+    def oom_kills(self) -> int:
+        """Processes the kernel killed for the sandbox's memory limit so far."""
+        with contextlib.suppress(OSError, ValueError):
+            for line in (self.paths["memory"] / "memory.oom_control").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        return 0
+
+    def oom_killed_since_start(self) -> bool:
+        return self.oom_kills() > self._oom_kills_at_start
+
+    def memory_peak_bytes(self) -> int:
+        return int((self.paths["memory"] / "memory.max_usage_in_bytes").read_text())
+
+    def remove(self) -> bool:
+        """Remove the cgroups; False if some still hold exiting processes (`CgroupTree.sweep` retries)."""
+        removed = True
+        for path in self.paths.values():
+            try:
+                path.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError as error:
+                if error.errno != errno.EBUSY:
+                    raise
+                removed = False
+        return removed
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_tree_cpu_s(root: int) -> float:
+    """CPU time of `root` and every process below it, in seconds, from /proc (the fallback without a
+    cpuacct cgroup). Each live or zombie process counts its own time plus that of the children it
+    reaped; a sandbox's PID 1 reaps every orphan, so no process that ever ran is missed."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+                # After the command: state ppid ... utime(12) stime(13) cutime(14) cstime(15), 0-based.
+                ticks = sum(int(value) for value in fields[11:15])
+                stats[int(entry.name)] = (int(fields[1]), ticks / _TICKS)
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += stats[pid][1]
+        todo += children.get(pid, [])
+    return total
+
+
+def cpus_available() -> int:
+    """CPUs this process (and so a sandbox it starts) may run on."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+async def cpu_budget(used_s: Callable[[], float], budget_s: float, cpus: int) -> None:
+    """Return once `used_s()` has reached `budget_s`. It reads the usage only when the budget could
+    first have run out (the remaining seconds spread over `cpus`), so an idle sandbox costs a read
+    every budget/cpus seconds and the overshoot stays under cpus x 20 ms of CPU."""
+    while True:
+        remaining = budget_s - used_s()
+        if remaining <= 0:
+            return
+        await asyncio.sleep(max(remaining / cpus, _MIN_CHECK_S))
+
+
+def fallback_bound(memory_mb: int, max_processes: int, max_open_files: int, max_file_mb: int) -> str:
+    """What per-process rlimits still bound without cgroups, in words (for the backend's report)."""
+    per_process = memory_mb + max_open_files * max_file_mb
+    return (
+        f"no writable cgroup: limits hold per process; memory is bounded only by processes x "
+        f"(address space + open files x file size) = {max_processes} x {per_process} MiB plus the "
+        "tmpfs sizes, and CPU time by processes x cpu_s"
+    )
