@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import base64
-import posixpath
+import bisect
+import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,10 +18,15 @@ MAX_CODE_BYTES = 1024 * 1024
 MAX_STDIN_BYTES = 16 * 1024 * 1024
 MAX_FILES_BYTES = 32 * 1024 * 1024
 MAX_FILES = 256
+NAME_MAX = 255
+"""Bytes of one file or directory name (Linux's NAME_MAX)."""
+PATH_MAX = 4095
+"""Bytes of a file's path below the work directory (Linux's PATH_MAX, 4096, less the NUL)."""
 
 
 class SandboxUsageError(ValueError):
-    """The caller passed something the sandbox refuses (wrong type, NUL byte, too large, unknown language)."""
+    """The caller passed something the sandbox refuses (wrong type, NUL byte, too large, unknown language,
+    file paths it cannot write)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,8 @@ class ExecRequest:
             limits = Limits()
         if not isinstance(limits, Limits):
             raise SandboxUsageError(f"limits must be a sandbox.Limits, got {type(limits).__name__}")
-        return cls(code, language, _as_bytes("stdin", stdin, MAX_STDIN_BYTES), _check_files(files), limits)
+        stdin_bytes = _as_bytes("stdin", stdin, MAX_STDIN_BYTES)
+        return cls(code, language, stdin_bytes, _check_files(files, limits), limits)
 
     def to_wire(self) -> dict[str, Any]:
         """The job the in-sandbox launcher reads (JSON-ready)."""
@@ -85,7 +92,9 @@ def _as_bytes(what: str, value: object, cap: int) -> bytes:
     return bytes(value)
 
 
-def _check_files(files: object) -> dict[str, bytes]:
+def _check_files(files: object, limits: Limits) -> dict[str, bytes]:
+    """The files keyed by their normal paths, or `SandboxUsageError` for anything no backend could
+    write into a fresh work directory of `limits.work_dir_mb` (so every backend refuses the same way)."""
     if files is None:
         return {}
     if not isinstance(files, Mapping):
@@ -93,13 +102,71 @@ def _check_files(files: object) -> dict[str, bytes]:
     if len(files) > MAX_FILES:
         raise SandboxUsageError(f"at most {MAX_FILES} files")
     checked: dict[str, bytes] = {}
+    given: dict[str, str] = {}
     for path, content in files.items():
-        if not isinstance(path, str) or not path or "\x00" in path:
-            raise SandboxUsageError(f"file path {path!r} must be a non-empty str without NUL bytes")
-        normal = posixpath.normpath(path)
-        if normal.startswith(("/", "..")) or normal == ".":
-            raise SandboxUsageError(f"file path {path!r} must stay inside the work directory")
+        normal = _normal_path(path)
+        if normal in checked:
+            raise SandboxUsageError(
+                f"file paths {_brief(given[normal])} and {_brief(path)} name the same file"
+            )
         checked[normal] = _as_bytes(f"file {path!r}", content, MAX_FILES_BYTES)
+        given[normal] = path
+    ordered = sorted(checked)
+    for normal in ordered:
+        # The paths below `normal` + "/" sort next to each other: the first at or after it tells.
+        after = ordered[bisect.bisect_left(ordered, normal + "/") :][:1]
+        if after and after[0].startswith(normal + "/"):
+            raise SandboxUsageError(
+                f"file path {_brief(given[normal])} is also the directory of file {_brief(given[after[0]])}"
+            )
     if sum(len(data) for data in checked.values()) > MAX_FILES_BYTES:
         raise SandboxUsageError(f"files add up to more than {MAX_FILES_BYTES} bytes")
+    # tmpfs charges whole pages per file; the work directory is empty before the files are written.
+    needed = sum(-(-len(data) // mmap.PAGESIZE) * mmap.PAGESIZE for data in checked.values())
+    capacity = limits.work_dir_mb * 1024 * 1024
+    if needed > capacity:
+        raise SandboxUsageError(
+            f"files need {needed} bytes of the work directory (whole {mmap.PAGESIZE}-byte pages per file), "
+            f"more than Limits.work_dir_mb={limits.work_dir_mb} holds"
+        )
     return checked
+
+
+def _normal_path(path: object) -> str:
+    """`path` with empty and "." components dropped and ".." resolved, or why it cannot be a file below
+    the work directory (every other name is legal: "..foo", "a/..b", spaces, newlines)."""
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise SandboxUsageError(f"file path {path!r} must be a non-empty str without NUL bytes")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError as error:  # lone surrogates: no file system name is made of them
+        raise SandboxUsageError(f"file path {path!r} is not valid Unicode text: {error.reason}") from None
+    if path.startswith("/"):
+        raise SandboxUsageError(f"file path {path!r} must be relative: files stay inside the work directory")
+    raw = path.split("/")
+    if raw[-1] in ("", ".", ".."):
+        raise SandboxUsageError(f"file path {path!r} names a directory, not a file")
+    parts: list[str] = []
+    for part in raw:
+        if part == "..":
+            if not parts:
+                raise SandboxUsageError(f"file path {path!r} must stay inside the work directory")
+            parts.pop()
+        elif part not in ("", "."):
+            size = len(part.encode("utf-8"))
+            if size > NAME_MAX:
+                raise SandboxUsageError(
+                    f"file path {_brief(path)} has a {size}-byte name; the limit is {NAME_MAX} (NAME_MAX)"
+                )
+            parts.append(part)
+    normal = "/".join(parts)
+    size = len(normal.encode("utf-8"))
+    if size > PATH_MAX:
+        raise SandboxUsageError(
+            f"file path {_brief(path)} is {size} bytes; the limit is {PATH_MAX} (PATH_MAX)"
+        )
+    return normal
+
+
+def _brief(path: str) -> str:
+    return repr(path) if len(path) <= 60 else f"{path[:40]!r}... ({len(path)} characters)"

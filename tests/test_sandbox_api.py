@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import mmap
 import secrets
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from sandbox import ExecResult, ExecStatus, Limits, Sandbox, SandboxUsageError
+from sandbox import ExecRequest, ExecResult, ExecStatus, Limits, Sandbox, SandboxUsageError
 from sandbox.result import OutputCapture, classify_exit
 
 
@@ -230,3 +231,59 @@ def test_exit_semantics_match_cpython(local_sandbox: Sandbox) -> None:
     message = local_sandbox.run("import sys\nsys.exit('fatal: bad input')")
     assert (message.exit_code, message.stderr) == (1, "fatal: bad input\n")
     assert local_sandbox.run("raise SystemExit(300)").exit_code == 300 & 0xFF
+
+
+def normal_paths(files: dict[str, str]) -> list[str]:
+    return list(ExecRequest.build("pass", files=files).files)
+
+
+def test_every_legal_file_name_is_kept() -> None:
+    assert normal_paths({"..foo": "", "a/..b": "", "...": "", "a b/new\nline": ""}) == [
+        "..foo",
+        "a/..b",
+        "...",
+        "a b/new\nline",
+    ]
+    # Empty and "." components go, ".." is resolved: the same file the kernel would write.
+    assert normal_paths({"./x//y": "", "a/../c": "", "p/./q/../r": ""}) == ["x/y", "c", "p/r"]
+    with pytest.raises(
+        SandboxUsageError, match=r"^file path 'a/../../b' must stay inside the work directory$"
+    ):
+        normal_paths({"a/../../b": ""})
+    longest_name = "é" * 127 + "e"  # 255 bytes: NAME_MAX counts bytes, not characters
+    longest_path = "/".join(["d" * 255] * 15) + "/" + "f" * 255  # 16 * 255 + 15 = 4,095 bytes
+    assert normal_paths({longest_name: "", longest_path: ""}) == [longest_name, longest_path]
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"a/b": "", "a": ""}, r"^file path 'a' is also the directory of file 'a/b'$"),
+        ({"x/y/z": "", "x": ""}, r"^file path 'x' is also the directory of file 'x/y/z'$"),
+        ({"a/b": "", "./a//b": ""}, r"^file paths 'a/b' and './a//b' name the same file$"),
+        ({"é" * 128: ""}, r"has a 256-byte name; the limit is 255 \(NAME_MAX\)$"),
+        (
+            {"/".join(["d" * 255] * 15) + "/" + "f" * 254 + "/x": ""},
+            r"is 4096 bytes; the limit is 4095 \(PATH_MAX\)$",
+        ),
+        ({"a/": ""}, r"^file path 'a/' names a directory, not a file$"),
+        ({".": ""}, r"names a directory, not a file$"),
+        ({"a/.": ""}, r"names a directory, not a file$"),
+        ({"a/..": ""}, r"names a directory, not a file$"),
+        ({"\udc80": ""}, r"is not valid Unicode text"),
+    ],
+)
+def test_unwritable_file_paths_are_refused(files: dict[str, str], message: str) -> None:
+    with pytest.raises(SandboxUsageError, match=message):
+        ExecRequest.build("pass", files=files)
+
+
+@pytest.mark.skipif(mmap.PAGESIZE != 4096, reason="the numbers below are for 4 KiB pages")
+def test_files_must_fit_the_work_dir_in_whole_pages() -> None:
+    one_mib = Limits(work_dir_mb=1)
+    # 1 MiB = 256 pages: 254 pages, then 4,097 bytes take 2 more, and an empty file none.
+    fits = {"a": b"0" * (1024 * 1024 - 8192), "b": b"0" * 4097, "empty": b""}
+    assert list(ExecRequest.build("pass", files=fits, limits=one_mib).files) == ["a", "b", "empty"]
+    with pytest.raises(SandboxUsageError, match=r"^files need 1052672 bytes of the work directory"):
+        ExecRequest.build("pass", files=fits | {"c": b"0"}, limits=one_mib)
+    ExecRequest.build("pass", files=fits | {"c": b"0"}, limits=Limits(work_dir_mb=2))
