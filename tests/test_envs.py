@@ -16,6 +16,7 @@ import envs
 from envs import Task, ToolEnvConfig, load_tasks
 from envs.code_math import CodeMathEnv
 from envs.math import MathEnv
+from envs.tools import ToolContext, ToolError, get_tool
 
 TASK = Task("t1", "What is 123 * 45?", ("5535",), 1)
 
@@ -277,3 +278,28 @@ def test_chat_template_renders_tool_schemas_and_responses() -> None:
         "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+
+
+def test_code_the_sandbox_refuses_is_an_ordinary_tool_error(caplog: pytest.LogCaptureFixture) -> None:
+    env = gymnasium.make("pacerl/CodeMath-v0")
+    env.reset(options={"task": TASK})
+    with caplog.at_level("WARNING"):
+        observation, _, terminated, truncated, info = env.step(python_call("print(1)\x00"))
+    message = "the sandbox refused this call: code contains a NUL byte"
+    assert observation == ({"role": "tool", "name": "python", "content": f"Error: {message}"},)
+    assert info["step_errors"] == [message] and not terminated and not truncated
+    assert not caplog.records  # the model's mistake, not a platform failure: nothing logged
+    observation, *_ = env.step(python_call("print('next')"))
+    assert observation[0]["content"] == "next"
+    env.close()
+
+
+async def test_the_python_tool_turns_a_sandbox_refusal_into_a_tool_error() -> None:
+    # Code over the sandbox's cap cannot come through the env's parser (it caps a call first), but a
+    # tool called by other means must answer the same way.
+    context = ToolContext()
+    try:
+        with pytest.raises(ToolError, match=r"^the sandbox refused this call: code is larger than"):
+            await get_tool("python")({"code": "#" * (1024 * 1024 + 1)}, context)
+    finally:
+        await context.aclose()

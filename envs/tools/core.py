@@ -13,7 +13,8 @@ section; arguments a model sends are validated against the same signature (pydan
 comes back as text the model can read. A parameter annotated `ToolContext` is injected, not shown to
 the model: through it a tool reaches its episode's sandbox session (started at first use, released
 when the episode closes) and the env's settings. Expected failures are `ToolError`s; the text goes to
-the model.
+the model. So does a `SandboxUsageError`: the sandbox refusing, before it runs anything, what the
+model's arguments hold (a NUL byte, code over the size cap, a file path no sandbox can write).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, get_type_hints, overload
 
 import pydantic
 
-from sandbox import ExecResult, Limits, Sandbox, Session
+from sandbox import ExecResult, Limits, Sandbox, SandboxUsageError, Session
 
 
 class ToolError(Exception):
@@ -167,9 +168,14 @@ class Tool:
         loop = asyncio.get_running_loop()
         gate = self._gates.setdefault(loop, asyncio.Semaphore(self.max_concurrency))
         async with gate:
-            result = self.function(**kwargs)
-            if inspect.isawaitable(result):
-                result = await result
+            try:
+                result = self.function(**kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
+            except SandboxUsageError as error:
+                # The sandbox refused what the model wrote (a NUL byte, code over the cap, a file path
+                # it cannot write) before running anything: a bad argument, not a broken platform.
+                raise ToolError(f"the sandbox refused this call: {error}") from None
         if not isinstance(result, str):
             raise TypeError(f"tool {self.name} returned {type(result).__name__}, not str")
         return result
