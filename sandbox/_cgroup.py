@@ -24,12 +24,15 @@ import contextlib
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 CONTROLLERS = ("memory", "cpuacct", "pids")
-"""The cgroup v1 controllers a sandbox cgroup uses."""
+"""The cgroup v1 controllers a sandbox cgroup needs."""
+OPTIONAL_CONTROLLERS = ("freezer",)
+"""Used where present: a session's sandbox is frozen between calls, so nothing it left running
+(a background loop, a daemon) uses CPU or acts while the agent is not calling it."""
 _ROOT = Path("/sys/fs/cgroup")
 _MIN_CHECK_S = 0.02
 """Shortest wait between two reads of a sandbox's CPU time (bounds the overshoot to CPUs x this)."""
@@ -65,17 +68,21 @@ class CgroupTree:
         controllers are missing or not writable (not root, cgroup v2 without delegation)."""
         own = _own_cgroups()
         folders: dict[str, Path] = {}
-        for controller in CONTROLLERS:
-            if controller not in own:
-                return None
-            base = _ROOT / controller / own[controller].lstrip("/")
-            folder = base / name
+        for controller in (*CONTROLLERS, *OPTIONAL_CONTROLLERS):
+            folder = _ROOT / controller / own.get(controller, "-").lstrip("/") / name
             try:
+                if controller not in own:
+                    raise OSError(f"no {controller} controller")
                 folder.mkdir(exist_ok=True)
+                if not os.access(folder / "cgroup.procs", os.W_OK):
+                    raise PermissionError(folder)
             except OSError:
-                return None
-            if not os.access(folder / "cgroup.procs", os.W_OK):
-                return None
+                if controller in CONTROLLERS:
+                    for made in folders.values():
+                        with contextlib.suppress(OSError):
+                            made.rmdir()
+                    return None
+                continue
             folders[controller] = folder
         tree = CgroupTree(folders)
         tree.sweep()
@@ -151,9 +158,25 @@ class SandboxCgroup:
             for controller in self.paths:
                 _write(homes[controller] / "tasks", tid)
 
+    @property
+    def can_freeze(self) -> bool:
+        return "freezer" in self.paths
+
+    def freeze(self) -> None:
+        """Stop every process of the sandbox where it stands (they keep their state)."""
+        if self.can_freeze:
+            _write(self.paths["freezer"] / "freezer.state", "FROZEN")
+
+    def thaw(self) -> None:
+        """Let the sandbox's processes run again (also before killing them: v1 holds a frozen
+        process's SIGKILL until it is thawed)."""
+        if self.can_freeze:
+            with contextlib.suppress(FileNotFoundError):
+                _write(self.paths["freezer"] / "freezer.state", "THAWED")
+
     def cpu_s(self) -> float:
         """CPU time used by every process that ever ran in the sandbox, in seconds."""
-        return int((self.paths["cpuacct"] / "cpuacct.usage").read_text()) / 1e9
+        return read_cpu_file(self.paths["cpuacct"] / "cpuacct.usage")
 
     def oom_kills(self) -> int:
         """Processes the kernel killed for the sandbox's memory limit so far."""
@@ -217,15 +240,75 @@ def cpus_available() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-async def cpu_budget(used_s: Callable[[], float], budget_s: float, cpus: int) -> None:
-    """Return once `used_s()` has reached `budget_s`. It reads the usage only when the budget could
-    first have run out (the remaining seconds spread over `cpus`), so an idle sandbox costs a read
-    every budget/cpus seconds and the overshoot stays under cpus x 20 ms of CPU."""
+async def cpu_budget(used_s: Callable[[], Awaitable[float]], budget_s: float, cpus: float) -> None:
+    """Return once `await used_s()` has reached `budget_s`. It reads the usage only when the budget
+    could first have run out (the remaining seconds spread over `cpus`), so an idle sandbox costs a
+    read every budget/cpus seconds and the overshoot stays under cpus x 20 ms of CPU."""
     while True:
-        remaining = budget_s - used_s()
+        remaining = budget_s - await used_s()
         if remaining <= 0:
             return
         await asyncio.sleep(max(remaining / cpus, _MIN_CHECK_S))
+
+
+SESSION_CPU_GRACE_S = 2.0
+"""CPU seconds past a session call's `cpu_s` before the host ends the whole sandbox: the in-sandbox
+per-cell limit (whole seconds, on the interpreter alone) interrupts a runaway cell first and keeps
+the session; the host's count over every process catches what that cannot (background children)."""
+
+
+class SessionCpuWatch:
+    """The CPU budget of a session's sandbox, counted over all its processes: from the end of one call
+    to the end of the next (the time between calls included), they may use the call's `cpu_s` plus
+    `SESSION_CPU_GRACE_S`; past it `on_exhausted` runs (the backend ends the sandbox)."""
+
+    def __init__(
+        self, used_s: Callable[[], Awaitable[float]], cpus: float, on_exhausted: Callable[[], None]
+    ) -> None:
+        self._used_s = used_s
+        self._cpus = cpus
+        self._on_exhausted = on_exhausted
+        self._base = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self.exhausted = False
+        """The budget ran out (the backend was told to end the sandbox)."""
+
+    async def start_window(self, cpu_s: float) -> None:
+        """Begin a new window now (at a session's start or a call's end)."""
+        self._base = await self._used_s()
+        self.set_budget(cpu_s)
+
+    def set_budget(self, cpu_s: float) -> None:
+        """Keep the window, change its budget (a call with limits of its own)."""
+        self.stop()
+        base, budget = self._base, cpu_s + SESSION_CPU_GRACE_S
+
+        async def used() -> float:
+            return await self._used_s() - base
+
+        async def watch() -> None:
+            await cpu_budget(used, budget, self._cpus)
+            self.exhausted = True
+            self._on_exhausted()
+
+        self._task = asyncio.get_running_loop().create_task(watch())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+
+def read_cpu_file(path: Path) -> float:
+    """Seconds of CPU from a cgroup v1 `cpuacct.usage` (ns) or a v2 `cpu.stat` (usage_usec)."""
+    text = path.read_text()
+    if path.name == "cpu.stat":
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "usage_usec":
+                return int(value) / 1e6
+        raise ValueError(f"no usage_usec in {path}")
+    return int(text) / 1e9
 
 
 def fallback_bound(memory_mb: int, max_processes: int, max_open_files: int, max_file_mb: int) -> str:

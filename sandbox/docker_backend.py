@@ -612,7 +612,8 @@ class DockerBackend:
         self, box: _Box, exit_code: int, out: OutputCapture, err: OutputCapture, duration: float
     ) -> ExecResult:
         if exit_code == HIDE_PROC_EXIT and err.text().startswith(HIDE_PROC_FAILED):
-            return ExecResult.sandbox_error(f"{err.text().strip()[-500:]} (see DockerOptions.hide_proc)", duration)
+            reason = f"{err.text().strip()[-500:]} (see DockerOptions.hide_proc)"
+            return ExecResult.sandbox_error(reason, duration)
         if exit_code in (126, 127) and _EXEC_FAILED in out.text():
             # runc could not start the launcher (no such interpreter in the image): not the code's fault
             return ExecResult.sandbox_error(

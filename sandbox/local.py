@@ -38,6 +38,7 @@ from typing import Any
 from sandbox._cgroup import (
     CgroupTree,
     SandboxCgroup,
+    SessionCpuWatch,
     cpu_budget,
     cpus_available,
     fallback_bound,
@@ -139,7 +140,17 @@ class _Box:
         """A session call was sent and its reply not read back: the sandbox is in no state to reuse."""
         self.episodes = 0
 
-    def cpu_s(self) -> float:
+    def pause(self) -> None:
+        """Between a session's calls: freeze every process of the sandbox (where the host has a
+        freezer cgroup), so nothing left running in the background uses CPU or acts meanwhile."""
+        if self.cgroup is not None:
+            self.cgroup.freeze()
+
+    def resume(self) -> None:
+        if self.cgroup is not None:
+            self.cgroup.thaw()
+
+    async def cpu_s(self) -> float:
         """CPU time used so far by every process of this sandbox together."""
         if self.cgroup is not None:
             return self.cgroup.cpu_s()
@@ -164,6 +175,8 @@ class _Box:
 
     def kill(self) -> None:
         """Tear the whole sandbox down: killing its PID-namespace init kills every process in it."""
+        if self.cgroup is not None:
+            self.cgroup.thaw()
         inner = self._inner_pid()
         if inner is not None and self.child.alive and _parent_of(inner) == self.child.pid:
             with contextlib.suppress(ProcessLookupError):
@@ -194,10 +207,6 @@ _RESET_TIMEOUT_S = 2.0
 
 
 _MEMORY_REASON = "memory limit of {} MiB exceeded (all processes of the sandbox together)"
-_SESSION_CPU_GRACE_S = 2.0
-"""CPU seconds past a session call's `cpu_s` before the host ends the whole sandbox: the in-sandbox
-per-cell limit (whole seconds, on the interpreter alone) interrupts a runaway cell first and keeps
-the session; the host's count over every process catches what that cannot (background children)."""
 _TASK_OVERHEAD = 3
 """Tasks of a sandbox that are not the user's: bubblewrap's outer process, its init (or the zygote)
 and the launcher's interpreter all count, as they do in the uid's RLIMIT_NPROC."""
@@ -438,6 +447,7 @@ class LocalBackend:
                 and box.episodes < _MAX_EPISODES
             ):
                 with contextlib.suppress(TimeoutError, EOFError, OSError, ValueError, SandboxProtocolError):
+                    box.resume()
                     await box.child.write(RESET_MESSAGE)
                     ready = await asyncio.wait_for(LocalSession._read_frame(box, READY_CAP), _RESET_TIMEOUT_S)
                     decode_ready(ready)
@@ -482,10 +492,12 @@ class LocalBackend:
         exited = asyncio.ensure_future(child.wait())
         if box.cgroup is not None:  # the job's own limits, over every process of the sandbox
             box.cgroup.set_limits(*_cgroup_limits(limits))
-        cpu_start = box.cpu_s()
-        cpu_spent = asyncio.ensure_future(
-            cpu_budget(lambda: box.cpu_s() - cpu_start, limits.effective_cpu_s, self._cpus)
-        )
+        cpu_start = await box.cpu_s()
+
+        async def used() -> float:
+            return await box.cpu_s() - cpu_start
+
+        cpu_spent = asyncio.ensure_future(cpu_budget(used, limits.effective_cpu_s, self._cpus))
         flood = False
         with contextlib.suppress(TimeoutError, OSError):
             await asyncio.wait_for(child.write(b"%d\n" % len(job) + job), limits.timeout_s)
@@ -564,9 +576,7 @@ class LocalSession:
         self._box: _Box | None = None
         self._lost_state = False
         self._lock = asyncio.Lock()
-        self._cpu_watch: asyncio.Task[None] | None = None
-        self._cpu_base = 0.0
-        self._out_of_cpu = False
+        self._cpu: SessionCpuWatch | None = None
 
     async def start(self) -> None:
         key = _session_key(self.limits)
@@ -578,32 +588,15 @@ class LocalSession:
             except (SandboxProtocolError, EOFError) as error:
                 raise RuntimeError(f"sandbox session failed to start: {error}") from None
             self._box.greeted = True
-        self._cpu_base = self._box.cpu_s()
-        self._watch_cpu(self.limits)
-
-    def _watch_cpu(self, limits: Limits) -> None:
-        """(Re)start the watch over the sandbox's CPU time since the last call ended: between calls
-        and during the next one, all its processes together may use `cpu_s` plus a grace, after
-        which the whole sandbox is ended (the next call restarts the session and says so)."""
-        if self._cpu_watch is not None:
-            self._cpu_watch.cancel()
-        box, base = self._box, self._cpu_base
-        assert box is not None
-        budget = limits.effective_cpu_s + _SESSION_CPU_GRACE_S
-
-        async def watch() -> None:
-            await cpu_budget(lambda: box.cpu_s() - base, budget, self._backend._cpus)
-            if self._box is box:
-                self._out_of_cpu = True
-                box.kill()
-
-        self._cpu_watch = asyncio.get_running_loop().create_task(watch())
+        # Past its CPU budget the whole sandbox is ended; the next call restarts the session.
+        self._cpu = SessionCpuWatch(self._box.cpu_s, self._backend._cpus, self._box.kill)
+        await self._cpu.start_window(self.limits.effective_cpu_s)
+        self._box.pause()
 
     async def _release(self, reusable: bool) -> None:
         """Hand the sandbox back (recycled if `reusable` and healthy, else killed)."""
-        if self._cpu_watch is not None:
-            self._cpu_watch.cancel()
-            self._cpu_watch = None
+        if self._cpu is not None:
+            self._cpu.stop()
         box, self._box = self._box, None
         if box is not None:
             await self._backend._give_back(_session_key(self.limits), box, reusable)
@@ -624,6 +617,8 @@ class LocalSession:
         async with self._lock, self._backend._slots:
             notice = ""
             if self._box is None or not self._box.child.alive:
+                if self._box is not None:  # it died between calls (its CPU budget ran out, say)
+                    self._lost_state = True
                 await self._release(reusable=False)
                 await self.start()
                 if self._lost_state:
@@ -636,7 +631,9 @@ class LocalSession:
         limits = request.limits
         started = time.monotonic()
         oom_kills = box.oom_kills()
-        self._watch_cpu(limits)
+        if self._cpu is not None:
+            self._cpu.set_budget(limits.effective_cpu_s)
+        box.resume()
         try:
             box.busy = True  # until the reply is read: a cancelled call leaves a frame in flight
             await box.child.write(session_message(request))
@@ -653,7 +650,8 @@ class LocalSession:
             await self._kill()
             return ExecResult.sandbox_error(f"{error}; the session was restarted", time.monotonic() - started)
         except (EOFError, OSError, ValueError) as error:
-            out_of_cpu, out_of_memory = self._out_of_cpu, box.oom_kills() > oom_kills
+            out_of_cpu = self._cpu is not None and self._cpu.exhausted
+            out_of_memory = box.oom_kills() > oom_kills
             await self._kill()
             duration = time.monotonic() - started
             if out_of_cpu:
@@ -663,14 +661,14 @@ class LocalSession:
                 reason = _MEMORY_REASON.format(limits.memory_mb)
                 return ExecResult(ExecStatus.MEMORY, None, "", notice + DIED_NOTICE, duration, reason)
             return ExecResult(ExecStatus.ERROR, None, "", notice + DIED_NOTICE, duration, str(error))
-        self._cpu_base = box.cpu_s()
-        self._watch_cpu(self.limits)
+        box.pause()
+        if self._cpu is not None:
+            await self._cpu.start_window(self.limits.effective_cpu_s)
         return session_result(reply, limits, notice, time.monotonic() - started)
 
     async def _kill(self) -> None:
         await self._release(reusable=False)
         self._lost_state = True
-        self._out_of_cpu = False
 
     async def reset(self) -> None:
         """Forget every variable: a fresh interpreter in a clean (fresh or recycled) sandbox."""

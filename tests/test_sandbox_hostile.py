@@ -293,3 +293,163 @@ def test_many_runs_leak_nothing(any_sandbox: Sandbox) -> None:
     new = {name for name in set(os.listdir("/tmp")) - tmp_entries if name.startswith(("tmp", "pacerl"))}
     time.sleep(1)  # a leak stays; another process's transient temp dir does not
     assert {name for name in new if os.path.exists(f"/tmp/{name}")} == set()
+
+
+# -- host secrets, whole-sandbox memory, CPU and tasks (every process of the sandbox counted together) --
+
+
+def test_host_environment_invisible_to_every_process(
+    any_sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = f"hostsecret{secrets.token_hex(6)}"
+    monkeypatch.setenv("PACERL_TEST_API_KEY", secret)
+    code = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: under unshare this makes /proc/self/environ readable again
+seen = []
+for pid in [p for p in os.listdir('/proc') if p.isdigit()] + ['self']:
+    try:
+        seen.append(open(f'/proc/{pid}/environ', 'rb').read().decode(errors='replace'))
+    except OSError:
+        pass
+seen.append(repr(dict(os.environ)))
+print('\n'.join(seen))
+"""
+    # A new sandbox: its warm processes start after the variable is set.
+    with Sandbox(any_sandbox.backend_name, **any_sandbox.options) as fresh:
+        for result in (fresh.run(code), fresh.session().run(code)):
+            assert result.status is ExecStatus.OK, result
+            assert "PATH" in result.stdout  # it read something
+            assert secret not in result.stdout
+
+
+MEMORY_HOGS = {
+    # Six children of 100 MiB each: every one stays under a per-process 256 MiB limit.
+    "children": """
+import os, time
+children = []
+for _ in range(6):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        block = bytearray(100 << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        os.write(write, b'1')
+        time.sleep(30)
+        os._exit(0)
+    os.close(write)
+    os.read(read, 1)  # allocated (or killed trying)
+    children.append(pid)
+alive = [pid for pid in children if os.waitpid(pid, os.WNOHANG) == (0, 0)]
+print('held', len(alive) * 100, 'MiB')
+""",
+    # memfds are shared memory, counted by no address-space limit.
+    "memfd": """
+import os
+fds, total = [], 0
+try:
+    for i in range(60):
+        fd = os.memfd_create(f'm{i}')
+        os.write(fd, b'x' * (16 << 20))
+        fds.append(fd)
+        total += 16
+except OSError as error:
+    pass
+print('held', total, 'MiB')
+""",
+    "dev-shm": """
+import os
+total = 0
+try:
+    for i in range(32):
+        with open(f'/dev/shm/fill{i}', 'wb') as handle:
+            handle.write(b'x' * (32 << 20))
+        total += 32
+except OSError:
+    pass
+print('held', total, 'MiB')
+""",
+}
+
+
+@pytest.mark.parametrize("hog", MEMORY_HOGS.values(), ids=MEMORY_HOGS.keys())
+def test_memory_is_limited_for_the_whole_sandbox(any_sandbox: Sandbox, hog: str) -> None:
+    limits = Limits(timeout_s=60, memory_mb=256, max_open_files=128, max_file_mb=64, work_dir_mb=512)
+    result = any_sandbox.run(hog, limits=limits)
+    if result.status is ExecStatus.OK:
+        held = int(result.stdout.split()[1])
+        assert held < 256, result  # what it could hold in all stays under the sandbox's limit
+    else:
+        assert result.status is ExecStatus.MEMORY, result
+    assert any_sandbox.run("print('alive')", limits=SHORT).stdout == "alive\n"
+
+
+def test_nested_user_namespaces_refused(any_sandbox: Sandbox) -> None:
+    code = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x20000
+print('unshare', libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), ctypes.get_errno())
+import subprocess
+print('tool', subprocess.run(['unshare', '-Urm', 'true'], capture_output=True).returncode)
+"""
+    result = any_sandbox.run(code, limits=SHORT)
+    assert result.status is ExecStatus.OK, result
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("unshare -1 "), result
+    assert lines[1] != "tool 0", result
+
+
+def test_cpu_time_is_limited_for_the_whole_sandbox(any_sandbox: Sandbox) -> None:
+    # Eight workers of 1.5 CPU-seconds each: every one stays under a per-process cpu_s of 3.
+    code = """
+import os, time
+def burn(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+pids = []
+for _ in range(8):
+    pid = os.fork()
+    if pid == 0:
+        burn(1.5)
+        os._exit(0)
+    pids.append(pid)
+for pid in pids:
+    os.waitpid(pid, 0)
+print('all done', os.times().children_user + os.times().children_system)
+"""
+    result = any_sandbox.run(code, limits=Limits(timeout_s=120, cpu_s=3))
+    assert result.status is ExecStatus.TIMEOUT, result
+    assert "CPU" in result.reason and "all done" not in result.stdout, result
+
+
+def test_session_cpu_counts_background_processes(any_sandbox: Sandbox) -> None:
+    # A cell that leaves a child burning CPU (it ignores SIGXCPU) and then waits: the CPU of the
+    # sandbox's processes together is what is limited, so the call ends long before its wall limit.
+    limits = Limits(timeout_s=120, cpu_s=2)
+    burner = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass"
+    code = (
+        f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {burner!r}])\ntime.sleep(100)"
+    )
+    with any_sandbox.session(limits) as session:
+        result = session.run(code)
+        assert result.status is ExecStatus.TIMEOUT and "CPU" in result.reason, result
+        again = session.run("print('alive')")
+        assert again.status is ExecStatus.OK and again.stdout == "alive\n", again
+        assert "restarted" in again.stderr, again
+
+
+def test_session_sandbox_sleeps_between_calls(local_sandbox: Sandbox) -> None:
+    # With a freezer cgroup, nothing a session left running uses CPU while no call is in flight.
+    burner = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass"
+    start = f"import subprocess, sys\nchild = subprocess.Popen([sys.executable, '-c', {burner!r}])\nchild.pid"
+    ticks = "int(open(f'/proc/{child.pid}/stat').read().rsplit(')', 1)[1].split()[11])"
+    with local_sandbox.session(Limits(timeout_s=60, cpu_s=30)) as session:
+        assert session.run(start).status is ExecStatus.OK
+        before = int(session.run(ticks).stdout)
+        time.sleep(3)  # the child would burn most of three CPU-seconds here if it were not frozen
+        after = int(session.run(ticks).stdout)
+    assert after - before < 100, (before, after)  # clock ticks: under one CPU-second
