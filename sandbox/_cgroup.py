@@ -208,6 +208,45 @@ class SandboxCgroup:
         return removed
 
 
+@dataclass(frozen=True)
+class ContainerCgroup:
+    """A Docker container's own cgroup files, where the daemon runs on this host and they are readable
+    (cgroupfs or systemd driver, cgroup v1 or v2)."""
+
+    cpu_file: Path
+    """cpuacct.usage (v1) or cpu.stat (v2)."""
+    freeze_file: Path | None
+    """freezer.state (v1) or cgroup.freeze (v2), if writable."""
+
+    @staticmethod
+    def find(container_id: str) -> ContainerCgroup | None:
+        v1 = [f"docker/{container_id}", f"system.slice/docker-{container_id}.scope"]
+        for folder in v1:
+            for cpu in ("cpuacct", "cpu,cpuacct"):
+                cpu_file = _ROOT / cpu / folder / "cpuacct.usage"
+                if cpu_file.exists():
+                    freeze = _ROOT / "freezer" / folder / "freezer.state"
+                    return ContainerCgroup(cpu_file, freeze if os.access(freeze, os.W_OK) else None)
+        for folder in v1:
+            cpu_file = _ROOT / folder / "cpu.stat"
+            if cpu_file.exists():
+                freeze = _ROOT / folder / "cgroup.freeze"
+                return ContainerCgroup(cpu_file, freeze if os.access(freeze, os.W_OK) else None)
+        return None
+
+    def cpu_s(self) -> float:
+        return read_cpu_file(self.cpu_file)
+
+    def freeze(self) -> None:
+        if self.freeze_file is not None:
+            _write(self.freeze_file, "FROZEN" if self.freeze_file.name == "freezer.state" else "1")
+
+    def thaw(self) -> None:
+        if self.freeze_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                _write(self.freeze_file, "THAWED" if self.freeze_file.name == "freezer.state" else "0")
+
+
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 

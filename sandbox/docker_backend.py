@@ -44,6 +44,7 @@ import docker
 from docker.errors import DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig
 
+from sandbox._cgroup import ContainerCgroup, SessionCpuWatch, cpu_budget, cpus_available
 from sandbox._hide_proc import HIDE_PROC_EXIT, HIDE_PROC_FAILED
 from sandbox._protocol import (
     DIED_NOTICE,
@@ -144,9 +145,9 @@ class _Shape:
 
     def host_config(self, api: Any, cpus: float) -> Any:
         tmpfs = f"rw,exec,nosuid,nodev,size={self.work_dir_mb}m,mode=1777"
-        # RLIMIT_AS stops one process at memory_mb; the cgroup cap is the backstop for many processes
-        # together, with room for the tmpfs pages (charged to the container) and the idle PID 1.
-        memory = f"{self.memory_mb + 3 * self.work_dir_mb + 64}m"
+        # RLIMIT_AS stops one process at memory_mb; the cgroup holds every process of the container
+        # together, tmpfs and /dev/shm pages included, to the same figure.
+        memory = f"{self.memory_mb}m"
         return api.create_host_config(
             network_mode="none",
             read_only=True,
@@ -248,6 +249,8 @@ class _Box:
         """Wall-clock time just before the container was created (where its events start)."""
         self.exec_id = ""
         self.stream: _ExecStream | None = None
+        self.cgroup: ContainerCgroup | None = None
+        """The container's cgroup files on this host (its CPU time and freezer), where readable."""
 
     @property
     def ready(self) -> bool:
@@ -392,6 +395,7 @@ class DockerBackend:
             self._give_uid(uid)
             raise
         box = _Box(container_id, shape, uid, since)
+        box.cgroup = ContainerCgroup.find(container_id)
         try:
             source = _HIDE_PROC_SOURCE + LAUNCHER_SOURCE if self.options.hide_proc else LAUNCHER_SOURCE
             command = [self.options.python, "-I", "-c", source, *launcher_args]
@@ -417,6 +421,7 @@ class DockerBackend:
 
     def _dispose(self, box: _Box) -> None:
         """Close the box's stream and remove its container in the background (aclose waits for it)."""
+        _thaw(box)
         if box.stream is not None:
             box.stream.close()
         task = asyncio.get_running_loop().create_task(self._remove(box))
@@ -424,6 +429,7 @@ class DockerBackend:
         task.add_done_callback(self._removing.discard)
 
     async def _remove(self, box: _Box) -> None:
+        _thaw(box)
         try:
             await self._call(self._remove_now, box.id)
         except (*_FAILURES, RuntimeError):
@@ -431,10 +437,23 @@ class DockerBackend:
         finally:
             self._give_uid(box.uid)
 
+    async def _cpu_s(self, box: _Box) -> float:
+        """CPU time of every process of the container together: from its cgroup on this host, else
+        from the daemon's one-shot stats."""
+        if box.cgroup is not None:
+            return box.cgroup.cpu_s()
+        stats = await self._api_call("stats", box.id, stream=False, one_shot=True)
+        return int(stats["cpu_stats"]["cpu_usage"]["total_usage"]) / 1e9
+
+    @property
+    def _cpus(self) -> float:
+        return min(self.options.cpus, cpus_available())
+
     async def _kill(self, box: _Box) -> bool:
         """Kill the container now (its processes die with its PID 1); False if the daemon did not answer."""
         # Close our end first: a daemon blocked writing output nobody reads would hold the kill up
         # for its 10 s grace period.
+        _thaw(box)
         if box.stream is not None:
             box.stream.close()
         try:
@@ -560,6 +579,12 @@ class DockerBackend:
                     return True
             return False
 
+        cpu_start = await self._cpu_s(box)
+
+        async def used() -> float:
+            return await self._cpu_s(box) - cpu_start
+
+        cpu_spent = asyncio.ensure_future(cpu_budget(used, limits.effective_cpu_s, self._cpus))
         reader = asyncio.ensure_future(pump())
         outcome, exit_code, failure = "timeout", None, None
         # While output still flows only orphans holding stdout open need a look, so polls are rare;
@@ -568,8 +593,11 @@ class DockerBackend:
         try:
             while (remaining := deadline - time.monotonic()) > 0:
                 if not reader.done():
-                    await asyncio.wait({reader}, timeout=min(remaining, flowing_delay))
+                    await asyncio.wait({reader, cpu_spent}, timeout=min(remaining, flowing_delay))
                     flowing_delay = min(flowing_delay * 2, 1.0)
+                if cpu_spent.done() and cpu_spent.exception() is None:
+                    outcome = "cpu"
+                    break
                 if reader.done():
                     failure = reader.exception()
                     if failure is not None or reader.result():
@@ -591,6 +619,7 @@ class DockerBackend:
             outcome, failure = "lost", error
         finally:
             reader.cancel()
+            cpu_spent.cancel()
             with contextlib.suppress(asyncio.CancelledError, *_FAILURES):
                 await reader
 
@@ -605,6 +634,9 @@ class DockerBackend:
             return ExecResult.captured(
                 ExecStatus.OUTPUT_LIMIT, None, out, err, duration, "output limit exceeded"
             )
+        if outcome == "cpu":
+            reason = f"CPU-time limit of {limits.effective_cpu_s} s exceeded (all processes together)"
+            return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason)
         reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded"
         return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason)
 
@@ -726,6 +758,7 @@ class DockerSession:
         self._stderr = OutputCapture(4096)
         self._lost_state = False
         self._lock = asyncio.Lock()
+        self._cpu: SessionCpuWatch | None = None
 
     async def start(self) -> None:
         self._stdout, self._stderr = bytearray(), OutputCapture(4096)
@@ -741,6 +774,18 @@ class DockerSession:
                 detail = f"{error}: {self._stderr.text()[-500:]}"
                 raise RuntimeError(f"sandbox session failed to start: {detail}") from error
             raise
+        box, backend = self._box, self._backend
+
+        async def used() -> float:
+            return await backend._cpu_s(box)
+
+        def end() -> None:  # past its CPU budget the container goes; the next call restarts
+            asyncio.get_running_loop().create_task(backend._kill(box))
+
+        self._cpu = SessionCpuWatch(used, backend._cpus, end)
+        await self._cpu.start_window(self.limits.effective_cpu_s)
+        if box.cgroup is not None:
+            box.cgroup.freeze()  # nothing it left running acts between calls
 
     async def _more(self) -> None:
         assert self._box is not None and self._box.stream is not None
@@ -795,6 +840,10 @@ class DockerSession:
         assert self._box is not None and self._box.stream is not None
         limits = request.limits
         started = time.monotonic()
+        if self._cpu is not None:
+            self._cpu.set_budget(limits.effective_cpu_s)
+        if self._box.cgroup is not None:
+            self._box.cgroup.thaw()
         try:
             await self._box.stream.send(session_message(request))
             payload = await asyncio.wait_for(
@@ -816,13 +865,23 @@ class DockerSession:
                 return ExecResult.sandbox_error(reason, time.monotonic() - started)
             stderr = notice + DIED_NOTICE
             status, reason = ExecStatus.ERROR, str(error)
+            if self._cpu is not None and self._cpu.exhausted:
+                reason = f"CPU-time limit of {limits.effective_cpu_s} s exceeded (all processes together)"
+                return ExecResult(ExecStatus.TIMEOUT, None, "", stderr, time.monotonic() - started, reason)
             with contextlib.suppress(*_FAILURES):
                 if await self._backend._call(self._backend._oom_killed, box):
                     status, reason = ExecStatus.MEMORY, "memory limit exceeded (the container's memory cap)"
             return ExecResult(status, None, "", stderr, time.monotonic() - started, reason)
+        if self._box.cgroup is not None:
+            self._box.cgroup.freeze()
+        if self._cpu is not None:
+            with contextlib.suppress(*_FAILURES):
+                await self._cpu.start_window(self.limits.effective_cpu_s)
         return session_result(reply, limits, notice, time.monotonic() - started)
 
     async def _kill(self) -> None:
+        if self._cpu is not None:
+            self._cpu.stop()
         if self._box is not None:
             await self._backend._kill(self._box)
             self._backend._dispose(self._box)
@@ -832,6 +891,8 @@ class DockerSession:
     async def reset(self) -> None:
         """Forget every variable: a fresh interpreter in a fresh container."""
         async with self._lock:
+            if self._cpu is not None:
+                self._cpu.stop()
             if self._box is not None:
                 self._backend._dispose(self._box)
                 self._box = None
@@ -841,12 +902,22 @@ class DockerSession:
     async def aclose(self) -> None:
         """Remove the session's container (and wait until it is gone). Idempotent."""
         async with self._lock:
+            if self._cpu is not None:
+                self._cpu.stop()
             if self._box is not None:
                 box, self._box = self._box, None
                 if box.stream is not None:
                     box.stream.close()
                 await self._backend._remove(box)
         self._backend._sessions.discard(self)
+
+
+def _thaw(box: _Box) -> None:
+    """A session's container is frozen between calls; v1 holds a frozen process's SIGKILL until
+    it is thawed, so thaw before any kill or removal."""
+    if box.cgroup is not None:
+        with contextlib.suppress(OSError):
+            box.cgroup.thaw()
 
 
 def _this_process() -> str:
