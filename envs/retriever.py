@@ -19,10 +19,16 @@ never differently shaped:
 - Hits are documents sharing at least one term with the query, best first, so a query may get fewer
   than `topk` (or none), as from Search-R1's BM25 (pyserini's Lucene). Scoring is Lucene's BM25 with
   pyserini's k1=0.9, b=0.4 and English stopwords, but without pyserini's Porter stemming.
-- Anything malformed (not JSON, wrong types, neither or both of `queries`/`query`, `topk` out of
-  range, too many queries or hits, a query over `MAX_QUERY_CHARS`) is HTTP 422 with FastAPI's
-  `{"detail": [{"loc", "msg", "type"}]}`, the offending input never echoed; a body over
-  `MAX_BODY_BYTES` is 413. `GET /health` reports the document count.
+- Anything malformed (not JSON, wrong types, neither or both of `queries`/`query`, `topk` below 1)
+  or over a per-request cap of `RetrieverLimits` (queries per request, characters per query, `topk`,
+  hits per request) is HTTP 422 with FastAPI's `{"detail": [{"loc", "msg", "type"}]}`, the offending
+  input never echoed. The caps bound one request's work: at the defaults, one maximal request
+  (4,096 queries of 512 characters) takes well under a second of CPU on the shipped corpus.
+- The HTTP limits of `sandbox._http_guard` apply: a body over `RetrieverLimits.max_body_bytes` is 413
+  (at once when declared), a body not in within the body timeout 408, a full body budget or a full
+  search queue 503 with `Retry-After`, and a connection that does not finish its headers in time is
+  closed. Searches run on at most `search_workers` threads, off the event loop. `GET /health`
+  reports the document count.
 
 Corpus rows are Search-R1's `{"id": str, "contents": "\\"Title\\"\\ntext"}`; rows with `text` (and an
 optional `title`) instead are turned into that form. The id defaults to the row's index.
@@ -31,6 +37,7 @@ optional `title`) instead are turned into that form. The id defaults to the row'
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -43,20 +50,16 @@ import bm25s
 import fastapi
 import numpy as np
 import pydantic
-import uvicorn
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+
+from sandbox._http_guard import Gate, HttpGuardConfig, guard_app, run_server
 
 _uvicorn_log = logging.getLogger("uvicorn.error")
 """Lifecycle lines go where uvicorn writes its own."""
 
 MAX_TOPK = 100
-MAX_QUERIES = 10_000
-"""Queries in one request (Search-R1's rollout sends a whole batch of prompts times samples at once)."""
-MAX_QUERY_CHARS = 8_192
-MAX_HITS = 100_000
-"""`len(queries) * topk` in one request: bounds the size of an answer."""
-MAX_BODY_BYTES = 32 * 1024 * 1024
+"""The largest `topk` by default."""
 STOPWORDS = "en"
 K1, B = 0.9, 0.4
 
@@ -165,19 +168,64 @@ def _normalize(row: Mapping[str, Any], index: int, where: str) -> tuple[str, str
     return str(identifier), contents
 
 
-Query = Annotated[str, pydantic.Field(max_length=MAX_QUERY_CHARS)]
+@dataclasses.dataclass(frozen=True)
+class RetrieverLimits:
+    """What one `/retrieve` request may ask for, and how many searches run at once. Past a cap the
+    request is HTTP 422 naming it; past the queue, HTTP 503."""
+
+    max_queries: int = 4096
+    """Queries in one request (Search-R1's rollout sends a whole batch of prompts times samples)."""
+    max_query_chars: int = 512
+    """Characters in one query: a search query, not a document (longer ones are runaway generations)."""
+    max_topk: int = MAX_TOPK
+    """Largest `topk`."""
+    max_hits: int = 16_384
+    """`queries x topk` in one request: bounds the size of an answer (4,096 queries at Search-R1's 3
+    fit, with room)."""
+    search_workers: int = 2
+    """Searches running at once, each on its own thread."""
+    max_waiting: int = 64
+    """Requests waiting for a search thread; one more is HTTP 503 at once."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            least = 0 if field.name == "max_waiting" else 1
+            value = getattr(self, field.name)
+            if value < least:
+                raise ValueError(f"{field.name} must be >= {least}, got {value}")
+
+    def summary(self) -> str:
+        """One line for the startup log."""
+        return (
+            f"{self.max_queries} queries of {self.max_query_chars} characters, topk {self.max_topk}, "
+            f"{self.max_hits} hits per request; {self.search_workers} search threads, "
+            f"{self.max_waiting} waiting"
+        )
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest body worth reading: every query at its cap, JSON-escaped (6 bytes a character
+        as \\uXXXX; a batch at the cap made only of characters outside the BMP, 12 bytes each, is
+        413), plus room for the rest of the request."""
+        return self.max_queries * (6 * self.max_query_chars + 4) + 64 * 1024
+
+    def guard(self) -> HttpGuardConfig:
+        """The HTTP limits that go with these caps: bodies up to `max_body_bytes`, and four of them
+        in memory at once."""
+        return HttpGuardConfig(max_body_bytes=self.max_body_bytes, body_budget_bytes=4 * self.max_body_bytes)
 
 
 class RetrieveRequest(pydantic.BaseModel):
-    """Search-R1's `QueryRequest`, plus the single-`query` form."""
+    """Search-R1's `QueryRequest`, plus the single-`query` form. The caps of `RetrieverLimits` are
+    checked after parsing (`_over_caps`), since they are the server's settings."""
 
     model_config = pydantic.ConfigDict(extra="ignore")
 
-    queries: Annotated[list[Query], pydantic.Field(max_length=MAX_QUERIES)] | None = None
+    queries: list[str] | None = None
     """The queries of a batch."""
-    query: Query | None = None
+    query: str | None = None
     """One query (instead of `queries`)."""
-    topk: Annotated[int, pydantic.Field(ge=1, le=MAX_TOPK, strict=True)] | None = None
+    topk: Annotated[int, pydantic.Field(ge=1, strict=True)] | None = None
     """Documents per query; null means the server's default."""
     return_scores: bool = False
     """Wrap each document as `{"document": ..., "score": ...}`."""
@@ -192,6 +240,31 @@ class RetrieveRequest(pydantic.BaseModel):
         return self.queries if self.queries is not None else [self.query or ""]
 
 
+def _over_caps(request: RetrieveRequest, topk: int, limits: RetrieverLimits) -> list[dict[str, Any]]:
+    """FastAPI-shaped errors for each cap `request` exceeds (empty when within them all)."""
+    errors: list[dict[str, Any]] = []
+
+    def error(loc: list[str | int], kind: str, message: str) -> None:
+        errors.append({"loc": ["body", *loc], "msg": message, "type": kind})
+
+    queries = request.batch()
+    if len(queries) > limits.max_queries:
+        message = f"{len(queries)} queries; at most {limits.max_queries} per request, split the batch"
+        error(["queries"], "too_many_queries", message)
+    for position, query in enumerate(queries):
+        if len(query) > limits.max_query_chars:
+            where: list[str | int] = ["queries", position] if request.queries is not None else ["query"]
+            message = f"the query has {len(query)} characters; at most {limits.max_query_chars}"
+            error(where, "query_too_long", message)
+            break  # one says why; thousands would make an answer as large as the request
+    if topk > limits.max_topk:
+        error(["topk"], "topk_too_large", f"topk {topk} is over this server's cap of {limits.max_topk}")
+    if not errors and len(queries) * topk > limits.max_hits:
+        message = f"{len(queries)} queries x topk {topk} exceeds {limits.max_hits} hits per request; split it"
+        error([], "too_many_hits", message)
+    return errors
+
+
 def _invalid(error: pydantic.ValidationError, content_type: str) -> JSONResponse:
     # Each error without its input: a rejected 8 MiB query should not come back as an 8 MiB error.
     detail: list[dict[str, Any]] = [
@@ -204,15 +277,24 @@ def _invalid(error: pydantic.ValidationError, content_type: str) -> JSONResponse
     return JSONResponse({"detail": detail}, status_code=422)
 
 
-def create_app(index: BM25Index, default_topk: int = 3, *, source: str = "") -> fastapi.FastAPI:
+def create_app(
+    index: BM25Index,
+    default_topk: int = 3,
+    *,
+    source: str = "",
+    limits: RetrieverLimits = RetrieverLimits(),  # frozen: one shared default is safe
+    guard: HttpGuardConfig | None = None,
+) -> fastapi.FastAPI:
     """The ASGI app serving `index` (the schema in the module docstring); `source` says where the
-    documents came from in the startup log line."""
-    if not 1 <= default_topk <= MAX_TOPK:
-        raise ValueError(f"the default topk must be 1..{MAX_TOPK}, got {default_topk}")
+    documents came from in the startup log line. `guard` defaults to `limits.guard()`."""
+    if not 1 <= default_topk <= limits.max_topk:
+        raise ValueError(f"the default topk must be 1..{limits.max_topk}, got {default_topk}")
+    gate = Gate(limits.search_workers, limits.max_waiting, "searches")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: fastapi.FastAPI) -> AsyncIterator[None]:
         _uvicorn_log.info("Serving %d documents%s; default topk %d", len(index), source, default_topk)
+        _uvicorn_log.info("Request caps: %s", limits.summary())
         yield
 
     app = fastapi.FastAPI(
@@ -221,6 +303,8 @@ def create_app(index: BM25Index, default_topk: int = 3, *, source: str = "") -> 
         description=__doc__,
         lifespan=lifespan,
     )
+    guard_app(app, guard or limits.guard())
+    app.state.search_gate = gate
     request_schema = {
         "requestBody": {
             "required": True,
@@ -228,51 +312,75 @@ def create_app(index: BM25Index, default_topk: int = 3, *, source: str = "") -> 
         }
     }
 
-    @app.post("/retrieve", tags=["search"], openapi_extra=request_schema)
-    async def retrieve(request: fastapi.Request) -> JSONResponse:
-        """The `topk` best documents of each query (see the module docstring)."""
-        # The body is read and parsed here rather than declared as a parameter, so that every malformed
-        # body (deep nesting included) is a 422 from one parser and an oversized one stops at the cap.
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                return JSONResponse({"detail": f"request body larger than {MAX_BODY_BYTES} bytes"}, 413)
+    def check(body: bytes, content_type: str) -> tuple[list[str], int, bool] | JSONResponse:
+        """(queries, topk, return_scores), or the 422 answer: quick, so not behind the searches."""
         try:
-            parsed = RetrieveRequest.model_validate_json(bytes(body))
+            parsed = RetrieveRequest.model_validate_json(body)
         except pydantic.ValidationError as error:
-            return _invalid(error, request.headers.get("content-type", ""))
-        queries = parsed.batch()
+            return _invalid(error, content_type)
         topk = parsed.topk or default_topk
-        if len(queries) * topk > MAX_HITS:
-            message = f"{len(queries)} queries x topk {topk} exceeds {MAX_HITS} hits per request; split it"
-            return JSONResponse({"detail": [{"loc": ["body"], "msg": message, "type": "too_many_hits"}]}, 422)
-        hits = await run_in_threadpool(index.search, queries, topk)
-        if parsed.return_scores:
+        over = _over_caps(parsed, topk, limits)
+        if over:
+            return JSONResponse({"detail": over}, status_code=422)
+        return parsed.batch(), topk, parsed.return_scores
+
+    def answer(queries: list[str], topk: int, return_scores: bool) -> JSONResponse:
+        hits = index.search(queries, topk)
+        if return_scores:
             result: list[list[Any]] = [
                 [{"document": doc, "score": score} for doc, score in row] for row in hits
             ]
         else:
             result = [[doc for doc, _ in row] for row in hits]
-        return JSONResponse({"result": result})
+        return JSONResponse({"result": result})  # rendered here, off the event loop too
+
+    @app.post("/retrieve", tags=["search"], openapi_extra=request_schema)
+    async def retrieve(request: fastapi.Request) -> JSONResponse:
+        """The `topk` best documents of each query (see the module docstring)."""
+        # The body is parsed here rather than declared as a parameter, so that every malformed body
+        # (deep nesting included) is a 422 from one parser. Parsing, searching and rendering all run
+        # on worker threads: the event loop stays free for other connections. The guard in front has
+        # capped and read the body already.
+        body = await request.body()
+        checked = await run_in_threadpool(check, body, request.headers.get("content-type", ""))
+        if isinstance(checked, JSONResponse):
+            return checked
+        async with gate.slot():
+            return await run_in_threadpool(answer, *checked)
 
     @app.get("/health", tags=["health"])
     async def health() -> dict[str, Any]:
         """Liveness and what this server holds."""
-        return {"status": "ok", "documents": len(index), "default_topk": default_topk, "max_topk": MAX_TOPK}
+        return {
+            "status": "ok",
+            "documents": len(index),
+            "default_topk": default_topk,
+            "max_topk": limits.max_topk,
+        }
 
     return app
 
 
-def serve(corpus: str, host: str, port: int, default_topk: int) -> None:
+def serve(
+    corpus: str,
+    host: str,
+    port: int,
+    default_topk: int,
+    limits: RetrieverLimits = RetrieverLimits(),  # frozen: one shared default is safe
+    guard: HttpGuardConfig | None = None,
+) -> None:
     """Index `corpus` (JSONL) and serve it until SIGINT/SIGTERM. A corpus that cannot be read or is
-    malformed raises (OSError/ValueError) before the server starts."""
-    if not 1 <= default_topk <= MAX_TOPK:
-        raise ValueError(f"--topk must be 1..{MAX_TOPK}, got {default_topk}")
+    malformed raises (OSError/ValueError) before the server starts. `guard` defaults to
+    `limits.guard()`."""
+    if not 1 <= default_topk <= limits.max_topk:
+        raise ValueError(f"--topk must be 1..{limits.max_topk}, got {default_topk}")
+    guard = guard or limits.guard()
     started = time.perf_counter()
     index = BM25Index.from_jsonl(corpus)
     took = time.perf_counter() - started
-    app = create_app(index, default_topk, source=f" from {corpus} (indexed in {took:.1f} s)")
+    app = create_app(
+        index, default_topk, source=f" from {corpus} (indexed in {took:.1f} s)", limits=limits, guard=guard
+    )
     # No access log: a training run sends thousands of queries a second, a line each would be the
     # server's main cost and bury the lines that matter.
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)).run()
+    run_server(app, host, port, guard, log_level="info", access_log=False)

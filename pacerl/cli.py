@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -16,6 +17,55 @@ from pacerl.evaluate import add_eval_parser
 from pacerl.plots import add_plot_parser
 from pacerl.simulate import add_simulate_parser
 from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
+from sandbox._http_guard import HttpGuardConfig
+
+_GUARD_FLAGS = {
+    "max_body_bytes": ("--max-body-bytes", int, "largest request body; longer is HTTP 413"),
+    "body_budget_bytes": ("--body-budget-bytes", int, "body bytes held at once; past it requests wait"),
+    "max_waiting": ("--max-waiting-bodies", int, "requests waiting for body budget; more get HTTP 503"),
+    "queue_timeout_s": ("--queue-timeout", float, "seconds a request may wait for body budget, then 503"),
+    "body_timeout_s": ("--body-timeout", float, "seconds for the whole body to arrive, then 408"),
+    "header_timeout_s": ("--header-timeout", float, "seconds for a request's headers, then it is closed"),
+    "keep_alive_s": ("--keep-alive", int, "seconds an idle keep-alive connection stays open"),
+    "max_connections": ("--max-connections", int, "connections served at once; requests on more get 503"),
+    "max_header_bytes": ("--max-header-bytes", int, "request line plus headers; longer is HTTP 400"),
+}  # fmt: skip
+"""HttpGuardConfig field -> (flag, type, help), for both servers."""
+
+
+def _add_http_guard_flags(parser: argparse.ArgumentParser, body_defaults: tuple[str, str]) -> None:
+    """The HTTP limits of a server (sandbox._http_guard). `body_defaults` are the server's own defaults
+    of --max-body-bytes and --body-budget-bytes, as help text: the modules that compute them import
+    fastapi, too slow for a parser built on every `pacerl` call (a test checks the two agree)."""
+    shared = HttpGuardConfig()
+    shown = {"max_body_bytes": body_defaults[0], "body_budget_bytes": body_defaults[1]}
+    group = parser.add_argument_group("HTTP limits against hostile clients")
+    for field, (flag, kind, text) in _GUARD_FLAGS.items():
+        default = shown.get(field, getattr(shared, field))
+        metavar = "S" if field.endswith("_s") else "N"
+        help_text = f"{text} (default: {default})"
+        group.add_argument(
+            flag, dest=f"http_{field}", type=kind, default=None, metavar=metavar, help=help_text
+        )
+
+
+def _http_guard(args: argparse.Namespace, defaults: HttpGuardConfig) -> HttpGuardConfig:
+    """`defaults` with the HTTP limit flags given on the command line."""
+    given = {field: getattr(args, f"http_{field}") for field in _GUARD_FLAGS}
+    return dataclasses.replace(
+        defaults, **{field: value for field, value in given.items() if value is not None}
+    )
+
+
+_RETRIEVER_FLAGS = {
+    "max_queries": ("--max-queries", "queries in one request", 4096),
+    "max_query_chars": ("--max-query-chars", "characters in one query", 512),
+    "max_topk": ("--max-topk", "largest topk a request may ask for", 100),
+    "max_hits": ("--max-hits", "queries x topk in one request", 16_384),
+    "search_workers": ("--search-workers", "searches running at once, one thread each", 2),
+    "max_waiting": ("--max-waiting-searches", "requests waiting for a search thread; more get HTTP 503", 64),
+}
+"""RetrieverLimits field -> (flag, help, its default as shown in --help; a test checks they agree)."""
 
 
 def _add_limit_flags(parser: argparse.ArgumentParser, per_request_maximum: bool = False) -> None:
@@ -66,7 +116,7 @@ def cmd_sandbox_run(args: argparse.Namespace) -> int:
 
 def cmd_serve_sandbox(args: argparse.Namespace) -> int:
     """`pacerl serve sandbox`: a SandboxFusion-compatible /run_code server."""
-    from sandbox.server import serve
+    from sandbox.server import GUARD, serve
 
     serve(
         backend=args.backend,
@@ -76,15 +126,25 @@ def cmd_serve_sandbox(args: argparse.Namespace) -> int:
         limits=_limits(args),
         options=_backend_options(args.option),
         max_queue=args.max_queue,
+        guard=_http_guard(args, GUARD),
     )
     return 0
 
 
 def cmd_serve_retriever(args: argparse.Namespace) -> int:
     """`pacerl serve retriever`: a Search-R1-compatible /retrieve server (BM25 over a JSONL corpus)."""
-    from envs.retriever import serve
+    from envs.retriever import RetrieverLimits, serve
 
-    serve(corpus=args.corpus, host=args.host, port=args.port, default_topk=args.topk)
+    given = {field: getattr(args, field) for field in _RETRIEVER_FLAGS if getattr(args, field) is not None}
+    limits = RetrieverLimits(**given)
+    serve(
+        corpus=args.corpus,
+        host=args.host,
+        port=args.port,
+        default_topk=args.topk,
+        limits=limits,
+        guard=_http_guard(args, limits.guard()),
+    )
     return 0
 
 
@@ -176,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_sandbox.add_argument("--option", action="append", default=[], help="backend option key=value")
     _add_limit_flags(serve_sandbox, per_request_maximum=True)
+    _add_http_guard_flags(serve_sandbox, ("98 MiB, every input at its cap", "128 MiB"))
     serve_sandbox.set_defaults(handler=cmd_serve_sandbox)
 
     serve_retriever = serve.add_parser("retriever", help="Search-R1-compatible /retrieve server (BM25)")
@@ -187,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve_retriever.add_argument(
         "--topk", type=int, default=3, help="documents per query when a request says none"
     )
+    work = serve_retriever.add_argument_group("per-request caps (HTTP 422 past them) and search threads")
+    for field, (flag, text, default) in _RETRIEVER_FLAGS.items():
+        work.add_argument(
+            flag, dest=field, type=int, default=None, metavar="N", help=f"{text} (default: {default})"
+        )
+    _add_http_guard_flags(serve_retriever, ("from the query caps", "4 bodies at the cap"))
     serve_retriever.set_defaults(handler=cmd_serve_retriever)
 
     serve_sglang = serve.add_parser(

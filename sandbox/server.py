@@ -34,17 +34,21 @@ Requests:
   `fetch_files` are answered the same way: the sandbox returns no files.
 - Anything malformed (not JSON, missing or mistyped fields, NUL bytes, code over the size cap, bad
   base64, paths leaving the work directory, text with lone surrogates) is HTTP 422 with `detail`
-  (FastAPI's 400 for a body its JSON parser gives up on, e.g. nested too deep); a body over
-  `max_body_bytes` is HTTP 413. Never a 500: an unexpected failure while running is a `SandboxError`
-  answer, as SandboxFusion gives.
+  (FastAPI's 400 for a body its JSON parser gives up on, e.g. nested too deep). Never a 500: an
+  unexpected failure while running is a `SandboxError` answer, as SandboxFusion gives.
 
 At most `max_concurrency` runs execute at once; more wait in arrival order. With `max_queue` set, a
 request that would make the queue longer is answered HTTP 503 with `Retry-After` at once.
+
+Hostile clients meet the limits of `sandbox._http_guard` (`GUARD` by default, `pacerl serve sandbox
+--help` lists them): a body over `max_body_bytes` is HTTP 413 (at once when its Content-Length says
+so), a malformed Content-Length 400, a body not in within the body timeout 408; bodies wait for room
+in a shared byte budget before they are read and hold it until answered (503 past the wait queue);
+connections that do not finish their headers in time are closed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import contextlib
@@ -53,11 +57,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import fastapi
-import uvicorn
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sandbox._http_guard import MIB, Gate, HttpGuardConfig, budget_report, guard_app, run_server
 from sandbox.core import Sandbox
 from sandbox.fusion_schema import (
     CommandRunResult,
@@ -84,81 +87,10 @@ _uvicorn_log = logging.getLogger("uvicorn.error")
 
 MAX_BODY_BYTES = 2 * MAX_CODE_BYTES + 2 * MAX_STDIN_BYTES + 2 * MAX_FILES_BYTES
 """Largest request body read: room for every input at its cap, base64 and JSON escaping included."""
-
-
-class _Gate:
-    """The concurrency limit: `limit` runs at once, at most `max_queue` more waiting (None: no cap)."""
-
-    def __init__(self, limit: int, max_queue: int | None) -> None:
-        if limit < 1 or (max_queue is not None and max_queue < 0):
-            raise ValueError("max_concurrency must be >= 1 and max_queue >= 0")
-        self.limit = limit
-        self.max_queue = max_queue
-        self.running = 0
-        self.waiting = 0
-        self._slots = asyncio.Semaphore(limit)
-
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        if self.max_queue is not None and self._slots.locked() and self.waiting >= self.max_queue:
-            raise fastapi.HTTPException(
-                503, f"{self.running} runs executing and {self.waiting} queued; try again later",
-                headers={"Retry-After": "1"},
-            )  # fmt: skip
-        self.waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
-        try:
-            yield
-        finally:
-            self.running -= 1
-            self._slots.release()
-
-
-class _BodyLimit:
-    """Refuses request bodies over `max_bytes` (HTTP 413) before anything parses them.
-
-    The body is read here, counted, and handed on whole, so a client that lies in Content-Length or
-    streams without one cannot make the server buffer more than the cap.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        too_large = JSONResponse({"detail": f"request body larger than {self.max_bytes} bytes"}, 413)
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:  # uvicorn refuses a malformed one
-            await too_large(scope, receive, send)
-            return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left; nothing to answer
-            body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                await too_large(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+GUARD = HttpGuardConfig(max_body_bytes=MAX_BODY_BYTES, body_budget_bytes=128 * MIB)
+"""The server's HTTP limits by default. The budget holds one body at the cap with room to spare for
+small requests beside it; measured, the server holds about 7 times the bytes of the bodies it is
+answering (JSON parsing, base64 decoding, the copies handed to the sandbox), so about 0.9 GB at most."""
 
 
 def _validation_detail(error: RequestValidationError) -> list[dict[str, Any]]:
@@ -225,14 +157,14 @@ def create_app(
     max_concurrency: int,
     *,
     max_queue: int | None = None,
-    max_body_bytes: int = MAX_BODY_BYTES,
+    guard: HttpGuardConfig = GUARD,
     close_on_shutdown: bool = False,
 ) -> fastapi.FastAPI:
     """The ASGI app serving `sandbox`; `sandbox.limits` are the most a request may ask for.
 
     With `close_on_shutdown` the app owns the sandbox and closes it when the server shuts down.
     """
-    gate = _Gate(max_concurrency, max_queue)
+    gate = Gate(max_concurrency, max_queue, "runs")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: fastapi.FastAPI) -> AsyncIterator[None]:
@@ -251,7 +183,7 @@ def create_app(
         description=__doc__,
         lifespan=lifespan,
     )
-    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    budget = guard_app(app, guard)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: fastapi.Request, error: RequestValidationError) -> JSONResponse:
@@ -307,6 +239,7 @@ def create_app(
             "max_concurrency": gate.limit,
             "running": gate.running,
             "waiting": gate.waiting,
+            "bodies": budget_report(budget),
         }
 
     return app
@@ -320,6 +253,7 @@ def serve(
     limits: Limits,
     options: dict[str, object],
     max_queue: int | None = None,
+    guard: HttpGuardConfig = GUARD,
 ) -> None:
     """Run the server until SIGINT/SIGTERM, then close the sandbox (warm sandboxes and all).
 
@@ -327,7 +261,7 @@ def serve(
     """
     sandbox = Sandbox(backend, limits=limits, **options)
     try:
-        app = create_app(sandbox, max_concurrency, max_queue=max_queue, close_on_shutdown=True)
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
+        app = create_app(sandbox, max_concurrency, max_queue=max_queue, guard=guard, close_on_shutdown=True)
+        run_server(app, host, port, guard, log_level="info")
     finally:
         sandbox.close()  # when startup failed before the app's shutdown could run; idempotent

@@ -5,13 +5,16 @@ One server is the CLI (`pacerl serve retriever`, a subprocess); the others run u
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +24,20 @@ import httpx
 import pytest
 from fastapi.responses import JSONResponse
 from helpers import ThreadServer, free_port
+from hostile_http import (
+    assert_idle_after_answer_then_partial_is_closed,
+    assert_slow_headers_are_closed,
+    detail,
+    exchange,
+    post_head,
+    refused_then_closed_while_trickling,
+)
 
-from envs.retriever import MAX_BODY_BYTES, MAX_QUERY_CHARS, BM25Index, create_app
+from envs.retriever import BM25Index, RetrieverLimits, create_app
 from envs.tasks import DATA_DIR, load_tasks
 from envs.tools import ToolContext, ToolError, get_tool
 from envs.tools.search import retrieve
+from pacerl.cli import _RETRIEVER_FLAGS as RETRIEVER_FLAGS
 from pacerl.cli import main
 
 CORPUS = DATA_DIR / "search-corpus.jsonl"
@@ -185,6 +197,7 @@ def test_health(url: str) -> None:
 
 
 JSON = {"content-type": "application/json"}
+CAPS = RetrieverLimits()
 MALFORMED: list[tuple[str, dict[str, Any], str]] = [
     ("not JSON", {"content": b"queries", "headers": JSON}, "Invalid JSON"),
     ("empty body", {"content": b"", "headers": JSON}, "Invalid JSON"),
@@ -198,13 +211,14 @@ MALFORMED: list[tuple[str, dict[str, Any], str]] = [
     ("query a number", {"json": {"query": 3}}, "valid string"),
     ("a non-string query", {"json": {"queries": ["a", 3]}}, "valid string"),
     ("topk 0", {"json": {"query": "a", "topk": 0}}, "greater than or equal to 1"),
-    ("topk 101", {"json": {"query": "a", "topk": 101}}, "less than or equal to 100"),
+    ("topk 101", {"json": {"query": "a", "topk": 101}}, "over this server's cap of 100"),
     ("topk a string", {"json": {"query": "a", "topk": "3"}}, "valid integer"),
     ("topk a bool", {"json": {"query": "a", "topk": True}}, "valid integer"),
     ("return_scores a list", {"json": {"query": "a", "return_scores": [1]}}, "valid boolean"),
-    ("query too long", {"json": {"query": "q" * (MAX_QUERY_CHARS + 1)}}, "at most 8192 characters"),
-    ("too many queries", {"json": {"queries": ["a"] * 10_001}}, "at most 10000 items"),
-    ("too many hits", {"json": {"queries": ["a"] * 2000, "topk": 100}}, "exceeds 100000 hits"),
+    ("query too long", {"json": {"query": "q" * (CAPS.max_query_chars + 1)}}, "at most 512"),
+    ("a query too long", {"json": {"queries": ["a", "q" * 513]}}, "the query has 513 characters"),
+    ("too many queries", {"json": {"queries": ["a"] * 4097}}, "4097 queries; at most 4096 per request"),
+    ("too many hits", {"json": {"queries": ["a"] * 2000, "topk": 10}}, "exceeds 16384 hits"),
 ]
 
 
@@ -222,7 +236,7 @@ def test_malformed_requests_are_422_with_a_clear_message(
 
 
 def test_oversized_body_is_413(url: str) -> None:
-    response = post(url, content=b" " * (MAX_BODY_BYTES + 1), headers=JSON)
+    response = post(url, content=b" " * (CAPS.max_body_bytes + 1), headers=JSON)
     assert response.status_code == 413 and "larger than" in response.json()["detail"]
     assert post(url, json={"query": "Kaloter"}).status_code == 200  # the server carries on
 
@@ -379,3 +393,155 @@ def test_cli_refuses_a_bad_corpus_in_one_line(tmp_path: Path, capsys: pytest.Cap
     assert capsys.readouterr().err == f"pacerl: error: [Errno 2] No such file or directory: '{missing}'\n"
     assert main(["serve", "retriever", "--corpus", str(bad), "--topk", "0"]) == 2
     assert capsys.readouterr().err == "pacerl: error: --topk must be 1..100, got 0\n"
+
+
+# -- hostile clients and per-request work caps -----------------------------------------------------------
+
+GUARDED_FLAGS = [
+    "--header-timeout",
+    "0.5",
+    "--body-timeout",
+    "1",
+    "--max-queries",
+    "8",
+    "--max-query-chars",
+    "64",
+]
+"""The hostile-client tests' CLI server: short read timeouts and small caps, set by flags."""
+
+
+@pytest.fixture(scope="module")
+def guarded_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A `pacerl serve retriever` subprocess with GUARDED_FLAGS; its port."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("guarded") / "server.log"
+    argv = [sys.executable, "-m", "pacerl.cli", "serve", "retriever", "--corpus", str(CORPUS)]
+    with log.open("wb") as sink:
+        process = subprocess.Popen([*argv, "--port", str(port), *GUARDED_FLAGS], stdout=sink, stderr=sink)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert process.poll() is None, log.read_text()
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "the CLI server did not answer within 30 s"
+                time.sleep(0.05)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_a_content_length_of_1e20_gets_an_answer_at_once(guarded_port: int) -> None:
+    # The old server waited for those bytes forever. 20 digits is the most h11 lets through.
+    for declared in (10**20 - 1, CAPS.max_body_bytes + 1):
+        status, _, body = refused_then_closed_while_trickling(guarded_port, post_head("/retrieve", declared))
+        assert status == 413 and "request body larger than" in detail(body), declared
+    status, headers, _ = exchange(guarded_port, post_head("/retrieve", 10**20))
+    assert status == 400 and headers["connection"] == "close"
+
+
+def test_a_slow_body_is_408_and_the_connection_closed(guarded_port: int) -> None:
+    status, headers, body = exchange(guarded_port, post_head("/retrieve", 100) + b'{"query": "Kal')
+    assert status == 408 and headers["connection"] == "close"
+    assert detail(body) == "the request body did not arrive within 1 s"
+
+
+def test_slow_headers_are_closed(guarded_port: int) -> None:
+    assert_slow_headers_are_closed(guarded_port, "/retrieve", connections=100)
+    health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    assert_idle_after_answer_then_partial_is_closed(guarded_port, health, "/retrieve")
+    assert httpx.get(f"http://127.0.0.1:{guarded_port}/health", timeout=5).status_code == 200
+
+
+def test_cli_caps_are_flags(guarded_port: int) -> None:
+    url = f"http://127.0.0.1:{guarded_port}"
+    assert post(url, json={"queries": ["Kaloter"] * 8, "topk": 2}).status_code == 200
+    too_many = post(url, json={"queries": ["Kaloter"] * 9})
+    assert too_many.status_code == 422
+    assert too_many.json()["detail"] == [
+        {"loc": ["body", "queries"], "msg": "9 queries; at most 8 per request, split the batch",
+         "type": "too_many_queries"}
+    ]  # fmt: skip
+    too_long = post(url, json={"queries": ["Kaloter", "k" * 65]})
+    assert too_long.status_code == 422
+    assert too_long.json()["detail"] == [
+        {
+            "loc": ["body", "queries", 1],
+            "msg": "the query has 65 characters; at most 64",
+            "type": "query_too_long",
+        }
+    ]
+
+
+def test_cli_help_shows_the_real_defaults() -> None:
+    assert {field: default for field, (_, _, default) in RETRIEVER_FLAGS.items()} == dataclasses.asdict(CAPS)
+
+
+def test_a_maximal_request_is_answered(url: str, index: BM25Index) -> None:
+    """At every default cap at once: 4,096 queries of 512 characters, 16,384 hits (measured: about
+    0.9 s of CPU on the shipped corpus; the old caps allowed ten times that)."""
+    (hits,) = index.search(["markets"], topk=100)  # the titles: words every one of which matches
+    words = " ".join(title(doc) for doc, _ in hits)
+    query = (words * (CAPS.max_query_chars // len(words) + 1))[: CAPS.max_query_chars]
+    body = {"queries": [query] * CAPS.max_queries, "topk": CAPS.max_hits // CAPS.max_queries}
+    answer = httpx.post(f"{url}/retrieve", json=body, timeout=120)
+    assert answer.status_code == 200
+    assert [len(hits) for hits in answer.json()["result"]] == [4] * CAPS.max_queries
+
+
+class BlockingIndex(BM25Index):
+    """An index whose searches wait for `release`, so a test holds the search threads on purpose."""
+
+    entered: threading.Semaphore
+    release: threading.Event
+
+    def search(self, queries: Sequence[str], topk: int) -> list[list[tuple[dict[str, str], float]]]:
+        self.entered.release()
+        assert self.release.wait(timeout=60), "the test never released the search"
+        return super().search(queries, topk)
+
+
+def test_searches_run_off_the_event_loop_and_a_full_queue_is_503() -> None:
+    index = BlockingIndex.from_jsonl(CORPUS)
+    index.entered, index.release = threading.Semaphore(0), threading.Event()
+    limits = RetrieverLimits(search_workers=1, max_waiting=1)
+    app = create_app(index, limits=limits)
+    gate = app.state.search_gate
+    with ThreadServer(app, free_port()) as server:
+
+        async def scenario() -> tuple[list[httpx.Response], httpx.Response, int]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                first = asyncio.ensure_future(
+                    client.post(f"{server.url}/retrieve", json={"query": "Kaloter"})
+                )
+                assert await asyncio.to_thread(index.entered.acquire, timeout=30), "no search started"
+                # The only search thread is busy, yet the event loop answers.
+                health = (await client.get(f"{server.url}/health")).status_code
+                second = asyncio.ensure_future(
+                    client.post(f"{server.url}/retrieve", json={"query": "Venlopha"})
+                )
+                for _ in range(500):  # bounded: until the second request waits for the thread
+                    if gate.waiting == 1:
+                        break
+                    await asyncio.sleep(0.02)
+                third = await client.post(f"{server.url}/retrieve", json={"query": "Saorka"})
+                index.release.set()
+                return list(await asyncio.gather(first, second)), third, health
+
+        served, refused, health = asyncio.run(scenario())
+    assert health == 200
+    assert [answer.status_code for answer in served] == [200, 200]
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["detail"] == "1 searches executing and 1 queued; try again later"
+
+
+def test_retriever_limits_are_validated() -> None:
+    for field in ("max_queries", "max_query_chars", "max_topk", "max_hits", "search_workers"):
+        with pytest.raises(ValueError, match=f"{field} must be >= 1"):
+            RetrieverLimits(**{field: 0})
+    with pytest.raises(ValueError, match="max_waiting must be >= 0"):
+        RetrieverLimits(max_waiting=-1)
+    assert CAPS.guard().max_body_bytes == CAPS.max_body_bytes

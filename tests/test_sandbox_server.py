@@ -23,11 +23,28 @@ import psutil
 import pytest
 from fastapi.responses import JSONResponse, PlainTextResponse
 from helpers import ThreadServer, free_port
+from hostile_http import (
+    assert_idle_after_answer_then_partial_is_closed,
+    assert_slow_headers_are_closed,
+    detail,
+    exchange,
+    post_head,
+    refused_then_closed_while_trickling,
+)
 
+from pacerl.cli import main
 from sandbox import ExecStatus, Limits, Sandbox, SandboxUsageError
+from sandbox._http_guard import (
+    MIB,
+    BodyBudget,
+    BodyGuard,
+    BudgetExhaustedError,
+    HttpGuardConfig,
+    declared_length,
+)
 from sandbox.remote import RemoteOptions
 from sandbox.request import MAX_CODE_BYTES
-from sandbox.server import create_app
+from sandbox.server import GUARD, create_app
 
 SERVER_TIMEOUT_S = 2.0
 """The CLI server's --timeout: the most any request may run."""
@@ -50,9 +67,9 @@ def wait_for_ping(url: str, process: subprocess.Popen[bytes], log: Path, within_
     raise TimeoutError(f"no server answered at {url} within {within_s} s")
 
 
-def start_cli_server(port: int, log: Path) -> subprocess.Popen[bytes]:
+def start_cli_server(port: int, log: Path, *flags: str) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "pacerl.cli", "serve", "sandbox", "--backend", "local"]
-    argv += ["--port", str(port), "--max-concurrency", "4", "--timeout", str(SERVER_TIMEOUT_S)]
+    argv += ["--port", str(port), "--max-concurrency", "4", "--timeout", str(SERVER_TIMEOUT_S), *flags]
     with log.open("wb") as sink:
         process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
     wait_for_ping(f"http://127.0.0.1:{port}", process, log)
@@ -320,7 +337,8 @@ def test_malformed_requests_get_4xx_with_a_message(
 
 
 def test_oversized_bodies_are_refused_before_parsing(local: Sandbox) -> None:
-    with ThreadServer(create_app(local, 2, max_body_bytes=10_000), free_port()) as server:
+    small_bodies = HttpGuardConfig(max_body_bytes=10_000, body_budget_bytes=10_000)
+    with ThreadServer(create_app(local, 2, guard=small_bodies), free_port()) as server:
         declared = post(server.url, json={"code": "#" * 20_000, "language": "python"})
         assert declared.status_code == 413 and "10000 bytes" in declared.json()["detail"]
 
@@ -527,3 +545,207 @@ def test_remote_session_output_cap_and_unstoppable_cell(remote: Sandbox) -> None
         assert stuck.status is ExecStatus.TIMEOUT and "was not kept" in stuck.reason, stuck
         assert time.monotonic() - started < SERVER_TIMEOUT_S + 3  # bounded by the server's maximum
         assert session.run("1 + 1").stdout == "2\n"
+
+
+# -- hostile clients ---------------------------------------------------------------------------------------
+
+GUARDED_FLAGS = ["--header-timeout", "0.5", "--body-timeout", "1", "--max-body-bytes", "1000000"]
+GUARDED_FLAGS += ["--body-budget-bytes", "3000000"]
+"""The hostile-client tests' CLI server: short read timeouts and a small body cap, set by flags."""
+
+
+@pytest.fixture(scope="module")
+def guarded_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A `pacerl serve sandbox` subprocess with GUARDED_FLAGS; its port."""
+    port = free_port()
+    process = start_cli_server(port, tmp_path_factory.mktemp("guarded") / "server.log", *GUARDED_FLAGS)
+    yield port
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def test_a_declared_length_over_the_cap_is_413_at_once(guarded_port: int) -> None:
+    # 20 digits (about 1e20, the most h11 lets through): the old server waited for that body forever.
+    # The answer comes before any of the body; a client that sends it anyway has it dropped, and the
+    # connection closed within the header timeout.
+    for declared in (10**20 - 1, 1_000_001):
+        status, _, body = refused_then_closed_while_trickling(guarded_port, post_head("/run_code", declared))
+        assert status == 413 and detail(body) == "request body larger than 1000000 bytes", declared
+    # 21 digits or more h11 itself refuses as a bad Content-Length, and closes.
+    status, headers, _ = exchange(guarded_port, post_head("/run_code", 10**20))
+    assert status == 400 and headers["connection"] == "close"
+    assert httpx.get(f"http://127.0.0.1:{guarded_port}/v1/ping", timeout=5).json() == "pong"
+
+
+async def test_a_malformed_content_length_is_400_before_the_app() -> None:
+    """h11 refuses these first; the guard refuses them too, under any server."""
+    reached: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+
+    guard = BodyGuard(app, HttpGuardConfig(), BodyBudget(HttpGuardConfig().body_budget_bytes, 1))
+    cases = [
+        ([(b"content-length", b"1e20")], "got '1e20'"),
+        ([(b"content-length", b"-5")], "non-negative integer"),
+        ([(b"content-length", b"5"), (b"content-length", b"6")], "conflicting"),
+    ]
+    for headers, says in cases:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any], into: list[dict[str, Any]] = sent) -> None:
+            into.append(message)
+
+        async def receive() -> dict[str, Any]:
+            raise AssertionError("the body of a malformed request must not be read")
+
+        scope = {"type": "http", "method": "POST", "path": "/run_code", "headers": headers}
+        await guard(scope, receive, send)
+        assert sent[0]["status"] == 400 and (b"connection", b"close") in sent[0]["headers"]
+        assert says in detail(sent[1]["body"]), sent[1]["body"]
+    # Content-Length 10**5000 is 413 (Python would refuse to make an int of it).
+    assert declared_length([(b"content-length", b"9" * 5000)], 100) == (101, "")
+    assert declared_length([(b"content-length", b"0" * 5000 + b"7")], 100) == (7, "")
+    assert reached == []
+
+
+def test_a_slow_body_is_408_and_the_connection_closed(guarded_port: int) -> None:
+    # 20 of 100 declared bytes, then nothing: the body timeout (1 s) answers, then the server closes.
+    status, headers, body = exchange(guarded_port, post_head("/run_code", 100) + b'{"code": "pr')
+    assert status == 408 and headers["connection"] == "close"
+    assert detail(body) == "the request body did not arrive within 1 s"
+
+
+def test_slow_headers_are_closed(guarded_port: int) -> None:
+    assert_slow_headers_are_closed(guarded_port, "/run_code", connections=100)
+    ping = b"GET /v1/ping HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    assert_idle_after_answer_then_partial_is_closed(guarded_port, ping, "/run_code")
+    assert httpx.get(f"http://127.0.0.1:{guarded_port}/v1/ping", timeout=5).json() == "pong"
+
+
+def test_a_streamed_body_over_the_cap_is_413(guarded_port: int) -> None:
+    def chunks() -> Iterator[bytes]:  # chunked, no Content-Length: the guard counts what arrives
+        yield b'{"code": "'
+        for _ in range(11):
+            yield b"#" * 100_000
+        yield b'", "language": "python"}'
+
+    answer = post(f"http://127.0.0.1:{guarded_port}", content=chunks(), headers=JSON)
+    assert answer.status_code == 413 and answer.json()["detail"] == "request body larger than 1000000 bytes"
+
+
+async def _bodies_reach(client: httpx.AsyncClient, url: str, **expected: int) -> None:
+    for _ in range(500):  # bounded: up to 10 s
+        bodies = (await client.get(f"{url}/health")).json()["bodies"]
+        if all(bodies[key] == value for key, value in expected.items()):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the body budget never reached {expected}")
+
+
+def test_concurrent_large_bodies_wait_for_the_body_budget(local: Sandbox) -> None:
+    """Six 0.9 MB bodies against a budget of three: three are read and run, three wait unread, and
+    every one is answered in the end. (The old server read all six at once, whatever their size.)"""
+    guard = HttpGuardConfig(max_body_bytes=1_000_000, body_budget_bytes=3_000_000)
+    app = create_app(local, 8, guard=guard)
+    nap = {"code": "import sys, time\nsys.stdin.read()\ntime.sleep(1)", "language": "python"}
+    big = {**nap, "stdin": "x" * 900_000}
+    with ThreadServer(app, free_port()) as server:
+
+        async def scenario() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                sent = [
+                    asyncio.ensure_future(client.post(f"{server.url}/run_code", json=big)) for _ in range(6)
+                ]
+                await _bodies_reach(client, server.url, holders=3, waiting=3)
+                return list(await asyncio.gather(*sent))
+
+        answers = asyncio.run(scenario())
+    assert [a.json()["status"] for a in answers] == ["Success"] * 6
+    budget = app.state.body_budget
+    assert budget.peak_holders == 3 and budget.peak_reserved_bytes <= 3_000_000
+    assert (budget.holders, budget.reserved_bytes, budget.waiting) == (0, 0, 0)
+
+
+def test_a_full_body_queue_is_503_at_once(local: Sandbox) -> None:
+    guard = HttpGuardConfig(max_body_bytes=1_000_000, body_budget_bytes=1_000_000, max_waiting=1)
+    nap = {"code": "import sys, time\nsys.stdin.read()\ntime.sleep(1)", "language": "python"}
+    big = {**nap, "stdin": "x" * 900_000}
+    with ThreadServer(create_app(local, 8, guard=guard), free_port()) as server:
+
+        async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                first = asyncio.ensure_future(client.post(f"{server.url}/run_code", json=big))
+                await _bodies_reach(client, server.url, holders=1)
+                second = asyncio.ensure_future(client.post(f"{server.url}/run_code", json=big))
+                await _bodies_reach(client, server.url, holders=1, waiting=1)
+                third = await client.post(f"{server.url}/run_code", json=big)
+                return list(await asyncio.gather(first, second)), third
+
+        served, refused = asyncio.run(scenario())
+    assert [a.json()["status"] for a in served] == ["Success", "Success"]
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["detail"] == (
+        "server busy: 1 requests already wait for room to read their body; try again later"
+    )
+
+
+async def test_the_body_budget_lets_small_bodies_past_large_ones_and_times_out() -> None:
+    budget = BodyBudget(total_bytes=10, max_waiting=2)
+    order: list[str] = []
+
+    async def take(name: str, nbytes: int, hold: asyncio.Event) -> None:
+        async with budget.reserve(nbytes, timeout_s=30):
+            order.append(name)
+            await hold.wait()
+
+    hold_first, hold_small, hold_big = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    first = asyncio.create_task(take("first", 6, hold_first))
+    await asyncio.sleep(0)  # one turn of the loop: the task takes its first step
+    big = asyncio.create_task(take("big", 10, hold_big))
+    small = asyncio.create_task(take("small", 1, hold_small))
+    await asyncio.sleep(0)
+    assert order == ["first", "small"] and budget.waiting == 1, "a small body fits: it goes ahead"
+    second_big = asyncio.create_task(take("second big", 10, hold_big))
+    await asyncio.sleep(0)
+    assert budget.waiting == 2 and budget.reserved_bytes == 7
+    with pytest.raises(BudgetExhaustedError, match="2 requests already wait"):
+        async with budget.reserve(5, timeout_s=30):
+            pass
+    hold_first.set()
+    hold_small.set()
+    await asyncio.gather(first, small)
+    hold_big.set()
+    await asyncio.gather(big, second_big)
+    assert order == ["first", "small", "big", "second big"], "large bodies keep their arrival order"
+    assert (budget.reserved_bytes, budget.holders, budget.waiting) == (0, 0, 0)
+    assert (budget.peak_reserved_bytes, budget.peak_holders) == (10, 2)
+
+    hog = asyncio.Event()
+    holder = asyncio.create_task(take("hog", 10, hog))
+    await asyncio.sleep(0)
+    with pytest.raises(BudgetExhaustedError, match=r"within 0\.05 s"):
+        async with budget.reserve(1, timeout_s=0.05):
+            pass
+    assert budget.waiting == 0, "a waiter that timed out leaves the queue"
+    hog.set()
+    await holder
+
+
+def test_http_guard_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="body_budget_bytes"):
+        HttpGuardConfig(max_body_bytes=10, body_budget_bytes=5)
+    for field in ("header_timeout_s", "body_timeout_s", "max_connections"):
+        with pytest.raises(ValueError, match=field):
+            HttpGuardConfig(**{field: 0})
+    with pytest.raises(ValueError, match="max_waiting"):
+        HttpGuardConfig(max_waiting=-1)
+
+
+def test_cli_help_shows_the_servers_real_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    assert GUARD.max_body_bytes == 98 * MIB and GUARD.body_budget_bytes == 128 * MIB
+    with pytest.raises(SystemExit):
+        main(["serve", "sandbox", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "longer is HTTP 413 (default: 98 MiB" in text and "(default: 128 MiB)" in text
+    assert f"then it is closed (default: {HttpGuardConfig().header_timeout_s})" in text
