@@ -316,7 +316,7 @@ def repl(limits: Job, control_in: int, control_out: int) -> None:
 # `!reason\n` just before the sandbox ends because the episode broke the protocol.
 
 PR_SET_DUMPABLE = 4
-KEYCTL_GET_KEYRING_ID, KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR, KEYCTL_GET_PERSISTENT = 0, 1, 7, 22
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR, KEYCTL_LINK, KEYCTL_GET_PERSISTENT = 1, 7, 8, 22
 KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -4, -5
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
 SYS_IOPRIO_GET = {"x86_64": 252, "aarch64": 31}
@@ -352,11 +352,14 @@ def syscall(lib: Any, numbers: dict[str, int], *args: int) -> int | None:
 def forget_keyrings(lib: Any) -> None:
     """Empty the keyrings that outlive processes (user, user-session and persistent: per uid and user
     namespace) so that nothing stored in one episode or sandbox reaches the next with the same uid."""
-    syscall(lib, SYS_KEYCTL, KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING)
-    syscall(lib, SYS_KEYCTL, KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING)
+    # Getting the persistent keyring links it into the user keyring, so that one is cleared after.
     persistent = syscall(lib, SYS_KEYCTL, KEYCTL_GET_PERSISTENT, -1, KEY_SPEC_USER_KEYRING)
     if persistent is not None and persistent > 0:
         syscall(lib, SYS_KEYCTL, KEYCTL_CLEAR, persistent)
+    syscall(lib, SYS_KEYCTL, KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING)
+    syscall(lib, SYS_KEYCTL, KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING)
+    # As the kernel makes it, the user-session keyring holds one link: to the user keyring.
+    syscall(lib, SYS_KEYCTL, KEYCTL_LINK, KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING)
 
 
 def dir_state(path: str) -> tuple[int, int, int, int, int, tuple[str, ...]]:

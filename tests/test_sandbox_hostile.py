@@ -449,7 +449,8 @@ def test_session_sandbox_sleeps_between_calls(any_sandbox: Sandbox) -> None:
     # A freezer cgroup stops everything a session left running while no call is in flight.
     burner = (
         "import os, signal, time\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n"
-        "    open('/work/next', 'w').write(repr(time.process_time()))\n    os.replace('/work/next', '/work/used')"
+        "    open('/work/next', 'w').write(repr(time.process_time()))\n"
+        "    os.replace('/work/next', '/work/used')"
     )
     start = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {burner!r}])"
     used = "import time\ntime.sleep(0.2)\nprint(open('/work/used').read())"
