@@ -86,6 +86,7 @@ class CgroupTree:
             folders[controller] = folder
         tree = CgroupTree(folders)
         tree.sweep()
+        tree.sweep_dead_owners()
         return tree
 
     def create(self, name: str, memory_bytes: int, max_tasks: int) -> SandboxCgroup:
@@ -113,6 +114,16 @@ class CgroupTree:
                     if child.is_dir():
                         with contextlib.suppress(OSError):
                             child.rmdir()
+
+    def sweep_dead_owners(self) -> None:
+        """Remove the folders (and empty sandbox cgroups) of host processes that died without
+        cleaning up (SIGKILL, OOM): their sandboxes died with them."""
+        for controller, folder in self.folders.items():
+            for other in folder.parent.glob("pacerl-*-*"):
+                owner = other.name.split("-")[1]
+                if other == folder or not owner.isdigit() or Path(f"/proc/{owner}").exists():
+                    continue
+                CgroupTree({controller: other}).remove()
 
     def remove(self) -> None:
         """Remove this process's folders once every sandbox cgroup in them is gone."""
@@ -173,6 +184,10 @@ class SandboxCgroup:
         if self.can_freeze:
             with contextlib.suppress(FileNotFoundError):
                 _write(self.paths["freezer"] / "freezer.state", "THAWED")
+
+    def tasks(self) -> int:
+        """Processes and threads in the sandbox now."""
+        return int((self.paths["pids"] / "pids.current").read_text())
 
     def cpu_s(self) -> float:
         """CPU time used by every process that ever ran in the sandbox, in seconds."""

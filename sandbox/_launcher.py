@@ -324,7 +324,7 @@ IOPRIO_WHO_PROCESS = 1
 RESET_DEADLINE_S = 1.5
 READY_FRAME_CAP = 64
 HEADER_DIGITS = 12
-SOCKET_TABLES = ("tcp", "tcp6", "udp", "udp6", "raw", "raw6", "unix", "packet", "udplite", "udplite6")
+SOCKET_TABLES = ("udp", "udp6", "raw", "raw6", "unix", "packet", "udplite", "udplite6")
 
 
 class ProtocolViolationError(Exception):
@@ -375,11 +375,23 @@ def dev_entries() -> dict[str, tuple[int, int]]:
 
 
 def sockets() -> list[str]:
-    """Every socket of the sandbox's network namespace (TIME_WAIT ones included), as table rows."""
+    """Every socket of the sandbox's network namespace, TIME_WAIT ones included: the rows of the
+    small tables, and the namespace's TCP counters (listing /proc/net/tcp walks the host's whole
+    connection table, ~3.5 ms; sockstat counts this namespace's alone)."""
     rows = []
     for table in SOCKET_TABLES:
         with contextlib.suppress(FileNotFoundError), open(f"/proc/net/{table}") as handle:
             rows += [f"{table}: {line.strip()}" for line in handle.readlines()[1:] if line.strip()]
+    for table in ("sockstat", "sockstat6"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/net/{table}") as handle:
+            for line in handle:
+                kind, _, counters = line.partition(":")
+                if kind in ("TCP", "TCP6"):  # alloc and mem are host-wide, the others this namespace's
+                    fields = counters.split()
+                    pairs = dict(zip(fields[::2], fields[1::2], strict=False))
+                    rows.append(
+                        f"{kind}: " + " ".join(f"{key} {pairs.get(key)}" for key in ("inuse", "orphan", "tw"))
+                    )
     return rows
 
 

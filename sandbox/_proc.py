@@ -21,21 +21,27 @@ from sandbox.result import OutputCapture
 _CHUNK = 65536
 
 
-class Child:
-    """One spawned process with stdin/stdout/stderr pipes, owned by the running loop."""
+def spawn(argv: Sequence[str], *, pass_fds: Sequence[int] = (), **popen: Any) -> subprocess.Popen[bytes]:
+    """Start a process with stdin/stdout/stderr pipes in a session of its own (any thread may call
+    this; hand the result to `Child` on the loop's thread)."""
+    return subprocess.Popen(
+        list(argv),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        pass_fds=tuple(pass_fds),
+        close_fds=True,
+        start_new_session=True,
+        **popen,
+    )
 
-    def __init__(self, argv: Sequence[str], *, pass_fds: Sequence[int] = (), **popen: Any) -> None:
+
+class Child:
+    """One spawned process (see `spawn`) with stdin/stdout/stderr pipes, owned by the running loop."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
         self.loop = asyncio.get_running_loop()
-        self.popen = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=tuple(pass_fds),
-            close_fds=True,
-            start_new_session=True,
-            **popen,
-        )
+        self.popen = popen
         assert self.popen.stdin and self.popen.stdout and self.popen.stderr
         self.stdin_fd = self.popen.stdin.fileno()
         self.stdout_fd = self.popen.stdout.fileno()

@@ -593,7 +593,11 @@ class DockerBackend:
         try:
             while (remaining := deadline - time.monotonic()) > 0:
                 if not reader.done():
-                    await asyncio.wait({reader, cpu_spent}, timeout=min(remaining, flowing_delay))
+                    await asyncio.wait(
+                        {reader, cpu_spent},
+                        timeout=min(remaining, flowing_delay),
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
                     flowing_delay = min(flowing_delay * 2, 1.0)
                 if cpu_spent.done() and cpu_spent.exception() is None:
                     outcome = "cpu"

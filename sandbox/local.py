@@ -23,13 +23,16 @@ only a sandbox whose zygote confirmed that reset returns to the warm pool, anyth
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import secrets
 import shutil
 import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +47,7 @@ from sandbox._cgroup import (
     fallback_bound,
     process_tree_cpu_s,
 )
-from sandbox._proc import Child
+from sandbox._proc import Child, spawn
 from sandbox._protocol import (
     DIED_NOTICE,
     LAUNCHER_SOURCE,
@@ -139,16 +142,30 @@ class _Box:
         self.busy = False
         """A session call was sent and its reply not read back: the sandbox is in no state to reuse."""
         self.episodes = 0
+        self._idle_tasks: int | None = None
+        self._frozen = False
+
+    def note_idle(self) -> None:
+        """Remember how many tasks the sandbox has when nothing of the user's runs (zygote and
+        interpreter waiting): more than that between calls means something was left running."""
+        if self.cgroup is not None and self.cgroup.can_freeze:
+            self._idle_tasks = self.cgroup.tasks()
 
     def pause(self) -> None:
-        """Between a session's calls: freeze every process of the sandbox (where the host has a
-        freezer cgroup), so nothing left running in the background uses CPU or acts meanwhile."""
-        if self.cgroup is not None:
+        """Between a session's calls: freeze every process of the sandbox if the episode left any
+        running (where the host has a freezer cgroup), so none uses CPU or acts meanwhile."""
+        if (
+            self.cgroup is not None
+            and self._idle_tasks is not None
+            and self.cgroup.tasks() > self._idle_tasks
+        ):
             self.cgroup.freeze()
+            self._frozen = True
 
     def resume(self) -> None:
-        if self.cgroup is not None:
+        if self._frozen and self.cgroup is not None:
             self.cgroup.thaw()
+            self._frozen = False
 
     async def cpu_s(self) -> float:
         """CPU time used so far by every process of this sandbox together."""
@@ -182,6 +199,10 @@ class _Box:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(inner, signal.SIGKILL)
         self.child.kill()
+
+    def kill_late(self) -> None:
+        """Kill and release a sandbox nobody waits for any more (its start was cancelled)."""
+        asyncio.get_running_loop().create_task(self.close())
 
     async def close(self) -> None:
         self.kill()
@@ -276,6 +297,8 @@ class LocalBackend:
         tree_name = f"pacerl-{os.getpid()}-{secrets.token_hex(4)}"
         self._cgroups = CgroupTree.detect(tree_name) if self.options.cgroups else None
         self._cpus = cpus_available()
+        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pacerl-sandbox-spawn")
+        """Starts sandboxes off the event loop (one thread: it joins each new sandbox's cgroup to fork)."""
         self._closed = False
 
     @property
@@ -336,12 +359,44 @@ class LocalBackend:
             paths.append("/etc/ld.so.cache")
         return [*paths, *self.options.ro_binds]
 
-    def _spawn(self, mode: str, limits: Limits, limits_json: str = "-") -> _Box:
+    async def _spawn(self, mode: str, limits: Limits, limits_json: str = "-") -> _Box:
+        """Start one sandbox. The blocking part runs on the backend's spawner thread: joining a new
+        cgroup can wait for an RCU grace period (~10 ms), which must not stall the event loop."""
         info_read, info_write = os.pipe()
         status_read, status_write = os.pipe()
         os.set_blocking(info_read, False)
         os.set_blocking(status_read, False)
         uid = self._uids.take() if self._uids is not None else None
+        start = functools.partial(self._start, mode, limits, limits_json, info_write, status_write, uid)
+        started = asyncio.get_running_loop().run_in_executor(self._spawner, start)
+
+        def discard(future: asyncio.Future[tuple[subprocess.Popen[bytes], SandboxCgroup | None]]) -> None:
+            if not future.cancelled() and future.exception() is None:
+                popen, cgroup = future.result()
+                _Box(Child(popen), info_read, status_read, uid, self._uids, cgroup).kill_late()
+            else:
+                release()
+
+        def release() -> None:
+            for fd in (info_read, status_read):
+                os.close(fd)
+            if uid is not None and self._uids is not None:
+                self._uids.give(uid)
+
+        try:
+            popen, cgroup = await asyncio.shield(started)
+        except asyncio.CancelledError:
+            started.add_done_callback(discard)  # the thread still starts it: tear it down when it has
+            raise
+        except BaseException:
+            release()
+            raise
+        return _Box(Child(popen), info_read, status_read, uid, self._uids, cgroup)
+
+    def _start(
+        self, mode: str, limits: Limits, limits_json: str, info_write: int, status_write: int, uid: int | None
+    ) -> tuple[subprocess.Popen[bytes], SandboxCgroup | None]:
+        """Create the sandbox's cgroup and start its first process inside (spawner thread)."""
         cgroup = None
         try:
             if self._cgroups is not None:
@@ -370,19 +425,15 @@ class LocalBackend:
             env = dict(SANDBOX_ENV)
             placed = cgroup.placing_children() if cgroup is not None else contextlib.nullcontext()
             with placed:
-                child = Child(argv, pass_fds=fds, env=env, **as_user)
+                popen = spawn(argv, pass_fds=fds, env=env, **as_user)
         except BaseException:
-            os.close(info_read)
-            os.close(status_read)
-            if uid is not None and self._uids is not None:
-                self._uids.give(uid)
             if cgroup is not None:
                 cgroup.remove()
             raise
         finally:
             os.close(info_write)
             os.close(status_write)
-        return _Box(child, info_read, status_read, uid, self._uids, cgroup)
+        return popen, cgroup
 
     def _pool_size(self, key: _PoolKey) -> int:
         return self.options.warm_pool if key[0] == "oneshot" else self.options.warm_sessions
@@ -391,16 +442,15 @@ class LocalBackend:
         """How many recycled sandboxes may wait in a session pool (more than are started ahead)."""
         return max(self._pool_size(key), self.options.idle_sessions)
 
-    def _spawn_for(self, key: _PoolKey) -> _Box:
+    async def _spawn_for(self, key: _PoolKey) -> _Box:
         mode, limits_json = key
         limits = Limits(**json.loads(limits_json))
-        return self._spawn(mode, limits, json.dumps(limits.to_wire()) if mode == "session" else "-")
+        return await self._spawn(mode, limits, json.dumps(limits.to_wire()) if mode == "session" else "-")
 
     async def _fill(self, key: _PoolKey) -> None:
         pool = self._warm.setdefault(key, [])
         while not self._closed and len(pool) + self._lent.get(key, 0) < self._pool_size(key):
-            pool.append(self._spawn_for(key))
-            await asyncio.sleep(0)
+            pool.append(await self._spawn_for(key))
 
     def _refill(self, key: _PoolKey) -> None:
         if self._closed or not self._pool_size(key) or key in self._filling:
@@ -423,7 +473,7 @@ class LocalBackend:
             else:
                 await candidate.close()
         self._refill(key)
-        return box if box is not None else self._spawn_for(key)
+        return box if box is not None else await self._spawn_for(key)
 
     def _lend(self, key: _PoolKey) -> None:
         if self.options.recycle_sessions:
@@ -560,6 +610,9 @@ class LocalBackend:
                 await box.close()
         for session in list(self._sessions):
             await session.aclose()
+        self._spawner.shutdown(wait=False)
+        if self._cgroups is not None:
+            self._cgroups.remove()  # what still holds exiting processes goes with the next backend's sweep
 
 
 class LocalSession:
@@ -591,7 +644,7 @@ class LocalSession:
         # Past its CPU budget the whole sandbox is ended; the next call restarts the session.
         self._cpu = SessionCpuWatch(self._box.cpu_s, self._backend._cpus, self._box.kill)
         await self._cpu.start_window(self.limits.effective_cpu_s)
-        self._box.pause()
+        self._box.note_idle()
 
     async def _release(self, reusable: bool) -> None:
         """Hand the sandbox back (recycled if `reusable` and healthy, else killed)."""

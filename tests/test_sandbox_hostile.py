@@ -276,23 +276,52 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _sandbox_cgroups() -> int:
+    """Sandbox cgroups this process has made (one folder per sandbox under pacerl-<pid>-*)."""
+    base = Path("/sys/fs/cgroup/pids")
+    return sum(
+        len([d for d in tree.iterdir() if d.is_dir()]) for tree in base.glob(f"pacerl-{os.getpid()}-*")
+    )
+
+
+@pytest.mark.slow
 def test_many_runs_leak_nothing(any_sandbox: Sandbox) -> None:
-    runs = {"local": 1000, "local-unshare": 200, "docker": 60}[backend_label(any_sandbox)]
+    """A soak: thousands of one-shot runs and hundreds of recycled sessions leave no process,
+    descriptor, temp dir, cgroup or memory behind."""
+    label = backend_label(any_sandbox)
+    runs = {"local": 2000, "local-unshare": 300, "docker": 60}[label]
+    sessions = {"local": 300, "local-unshare": 100, "docker": 10}[label]
     any_sandbox.run("print(0)")  # warm pools and lazy clients exist before the baseline
+    with any_sandbox.session() as session:
+        session.run("1")
     time.sleep(0.5)
     fds, children = _open_fds(), len(psutil.Process().children(recursive=True))
+    cgroups, rss = _sandbox_cgroups(), psutil.Process().memory_info().rss
     tmp_entries = set(os.listdir("/tmp"))
     for i in range(runs):
         result = any_sandbox.run(f"print({i})")
         assert result.stdout == f"{i}\n", result
+    for i in range(sessions):
+        with any_sandbox.session() as session:
+            session.run(f"x = {i}")
+            assert session.run("x").stdout == f"{i}\n"
     time.sleep(0.5)
     assert _open_fds() <= fds + 2
     assert len(psutil.Process().children(recursive=True)) <= children + 2
+    assert _sandbox_cgroups() <= cgroups + 2
+    assert psutil.Process().memory_info().rss - rss < 64 << 20
     # Temp dirs a leak would leave (Python's tempfile names, pacerl's own); runc's transient
     # runc-process* files and other test processes' files are not ours.
     new = {name for name in set(os.listdir("/tmp")) - tmp_entries if name.startswith(("tmp", "pacerl"))}
     time.sleep(1)  # a leak stays; another process's transient temp dir does not
     assert {name for name in new if os.path.exists(f"/tmp/{name}")} == set()
+
+
+def test_code_inherits_no_host_descriptor(any_sandbox: Sandbox) -> None:
+    code = "import os\nprint(sorted(int(fd) for fd in os.listdir('/dev/fd')))"
+    result = any_sandbox.run(code, limits=SHORT)
+    assert result.status is ExecStatus.OK, result
+    assert result.stdout == "[0, 1, 2, 3]\n", result  # 3 is the listing's own descriptor
 
 
 # -- host secrets, whole-sandbox memory, CPU and tasks (every process of the sandbox counted together) --

@@ -749,3 +749,25 @@ def test_cli_help_shows_the_servers_real_defaults(capsys: pytest.CaptureFixture[
     text = " ".join(capsys.readouterr().out.split())
     assert "longer is HTTP 413 (default: 98 MiB" in text and "(default: 128 MiB)" in text
     assert f"then it is closed (default: {HttpGuardConfig().header_timeout_s})" in text
+
+
+def test_the_servers_environment_stays_out_of_its_sandboxes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = f"serversecret{os.getpid()}x{time.monotonic_ns()}"
+    monkeypatch.setenv("PACERL_TEST_SERVER_TOKEN", secret)  # inherited by the server process
+    port = free_port()
+    process = start_cli_server(port, tmp_path / "server.log")
+    code = (
+        "import os\nfor pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+        "    try:\n        print(open(f'/proc/{pid}/environ', 'rb').read())\n    except OSError:\n        pass\n"
+        "print(dict(os.environ))"
+    )
+    try:
+        with Sandbox("remote", url=f"http://127.0.0.1:{port}") as sandbox:
+            result = sandbox.run(code)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert result.status is ExecStatus.OK and "PATH" in result.stdout, result
+    assert secret not in result.stdout
