@@ -25,7 +25,7 @@ import errno
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CONTROLLERS = ("memory", "cpuacct", "pids")
@@ -61,6 +61,8 @@ class CgroupTree:
 
     folders: dict[str, Path]
     """Controller -> the folder under which each sandbox gets a cgroup of its own."""
+    leftovers: list[Path] = field(default_factory=list)
+    """Sandbox cgroups whose removal found processes still exiting; `sweep` retries them."""
 
     @staticmethod
     def detect(name: str) -> CgroupTree | None:
@@ -85,7 +87,6 @@ class CgroupTree:
                 continue
             folders[controller] = folder
         tree = CgroupTree(folders)
-        tree.sweep()
         tree.sweep_dead_owners()
         return tree
 
@@ -97,7 +98,7 @@ class CgroupTree:
             for path in paths.values():
                 path.mkdir()
                 made.append(path)
-            cgroup = SandboxCgroup(paths)
+            cgroup = SandboxCgroup(paths, self.leftovers)
             cgroup.set_limits(memory_bytes, max_tasks)
         except BaseException:
             for path in made:
@@ -107,7 +108,18 @@ class CgroupTree:
         return cgroup
 
     def sweep(self) -> None:
-        """Remove the empty cgroups left behind (a sandbox whose processes were still exiting)."""
+        """Retry the removals that found processes still exiting."""
+        for path in list(self.leftovers):
+            try:
+                path.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            self.leftovers.remove(path)
+
+    def _sweep_all(self) -> None:
+        """Remove every empty sandbox cgroup (only where no sandbox of this tree lives any more)."""
         for folder in self.folders.values():
             with contextlib.suppress(OSError):
                 for child in folder.iterdir():
@@ -126,8 +138,8 @@ class CgroupTree:
                 CgroupTree({controller: other}).remove()
 
     def remove(self) -> None:
-        """Remove this process's folders once every sandbox cgroup in them is gone."""
-        self.sweep()
+        """Remove this tree once its sandboxes are gone (empty cgroups first, then the folders)."""
+        self._sweep_all()
         for folder in self.folders.values():
             with contextlib.suppress(OSError):
                 folder.rmdir()
@@ -136,12 +148,16 @@ class CgroupTree:
 class SandboxCgroup:
     """The cgroups of one sandbox."""
 
-    def __init__(self, paths: dict[str, Path]) -> None:
+    def __init__(self, paths: dict[str, Path], leftovers: list[Path]) -> None:
         self.paths = paths
-        self._oom_kills_at_start = self.oom_kills()
+        self._leftovers = leftovers
+        self._limits: tuple[int, int] | None = None
 
     def set_limits(self, memory_bytes: int, max_tasks: int) -> None:
         """Cap the sandbox's memory (anonymous, shared, tmpfs and kernel, all processes) and tasks."""
+        if self._limits == (memory_bytes, max_tasks):
+            return  # most runs keep the pool's defaults: no writes on the request path
+        self._limits = (memory_bytes, max_tasks)
         memory = self.paths["memory"]
         memsw = memory / "memory.memsw.limit_in_bytes"
         # With swap accounting, memory+swap is capped at the same figure: no paging out past it. The
@@ -182,7 +198,7 @@ class SandboxCgroup:
         """Let the sandbox's processes run again (also before killing them: v1 holds a frozen
         process's SIGKILL until it is thawed)."""
         if self.can_freeze:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone already (ENOENT, ENODEV): nothing left to thaw
                 _write(self.paths["freezer"] / "freezer.state", "THAWED")
 
     def tasks(self) -> int:
@@ -202,15 +218,11 @@ class SandboxCgroup:
                     return int(value)
         return 0
 
-    def oom_killed_since_start(self) -> bool:
-        return self.oom_kills() > self._oom_kills_at_start
-
     def memory_peak_bytes(self) -> int:
         return int((self.paths["memory"] / "memory.max_usage_in_bytes").read_text())
 
-    def remove(self) -> bool:
-        """Remove the cgroups; False if some still hold exiting processes (`CgroupTree.sweep` retries)."""
-        removed = True
+    def remove(self) -> None:
+        """Remove the cgroups; one still holding exiting processes is left to `CgroupTree.sweep`."""
         for path in self.paths.values():
             try:
                 path.rmdir()
@@ -219,8 +231,7 @@ class SandboxCgroup:
             except OSError as error:
                 if error.errno != errno.EBUSY:
                     raise
-                removed = False
-        return removed
+                self._leftovers.append(path)
 
 
 @dataclass(frozen=True)
@@ -230,6 +241,8 @@ class ContainerCgroup:
 
     cpu_file: Path
     """cpuacct.usage (v1) or cpu.stat (v2)."""
+    tasks_file: Path | None
+    """pids.current: the container's processes and threads now."""
     freeze_file: Path | None
     """freezer.state (v1) or cgroup.freeze (v2), if writable."""
 
@@ -241,16 +254,29 @@ class ContainerCgroup:
                 cpu_file = _ROOT / cpu / folder / "cpuacct.usage"
                 if cpu_file.exists():
                     freeze = _ROOT / "freezer" / folder / "freezer.state"
-                    return ContainerCgroup(cpu_file, freeze if os.access(freeze, os.W_OK) else None)
+                    tasks = _ROOT / "pids" / folder / "pids.current"
+                    return ContainerCgroup(
+                        cpu_file,
+                        tasks if tasks.exists() else None,
+                        freeze if os.access(freeze, os.W_OK) else None,
+                    )
         for folder in v1:
             cpu_file = _ROOT / folder / "cpu.stat"
             if cpu_file.exists():
                 freeze = _ROOT / folder / "cgroup.freeze"
-                return ContainerCgroup(cpu_file, freeze if os.access(freeze, os.W_OK) else None)
+                tasks = _ROOT / folder / "pids.current"
+                return ContainerCgroup(
+                    cpu_file,
+                    tasks if tasks.exists() else None,
+                    freeze if os.access(freeze, os.W_OK) else None,
+                )
         return None
 
     def cpu_s(self) -> float:
         return read_cpu_file(self.cpu_file)
+
+    def tasks(self) -> int | None:
+        return int(self.tasks_file.read_text()) if self.tasks_file is not None else None
 
     def freeze(self) -> None:
         if self.freeze_file is not None:
@@ -294,15 +320,17 @@ def cpus_available() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-async def cpu_budget(used_s: Callable[[], Awaitable[float]], budget_s: float, cpus: float) -> None:
+async def cpu_budget(
+    used_s: Callable[[], Awaitable[float]], budget_s: float, cpus: float, *, read_first: bool = True
+) -> None:
     """Return once `await used_s()` has reached `budget_s`. It reads the usage only when the budget
     could first have run out (the remaining seconds spread over `cpus`), so an idle sandbox costs a
-    read every budget/cpus seconds and the overshoot stays under cpus x 20 ms of CPU."""
-    while True:
-        remaining = budget_s - await used_s()
-        if remaining <= 0:
-            return
+    read every budget/cpus seconds and the overshoot stays under cpus x 20 ms of CPU. Without
+    `read_first` the usage is taken to start at zero and the first read waits (a run just begun)."""
+    remaining = budget_s - await used_s() if read_first else budget_s
+    while remaining > 0:
         await asyncio.sleep(max(remaining / cpus, _MIN_CHECK_S))
+        remaining = budget_s - await used_s()
 
 
 SESSION_CPU_GRACE_S = 2.0
@@ -314,7 +342,8 @@ the session; the host's count over every process catches what that cannot (backg
 class SessionCpuWatch:
     """The CPU budget of a session's sandbox, counted over all its processes: from the end of one call
     to the end of the next (the time between calls included), they may use the call's `cpu_s` plus
-    `SESSION_CPU_GRACE_S`; past it `on_exhausted` runs (the backend ends the sandbox)."""
+    `SESSION_CPU_GRACE_S`; past it `on_exhausted` runs (the backend ends the sandbox). One task
+    watches for the whole session; a new window or budget only moves its marks."""
 
     def __init__(
         self, used_s: Callable[[], Awaitable[float]], cpus: float, on_exhausted: Callable[[], None]
@@ -323,6 +352,7 @@ class SessionCpuWatch:
         self._cpus = cpus
         self._on_exhausted = on_exhausted
         self._base = 0.0
+        self._budget = 0.0
         self._task: asyncio.Task[None] | None = None
         self.exhausted = False
         """The budget ran out (the backend was told to end the sandbox)."""
@@ -333,19 +363,25 @@ class SessionCpuWatch:
         self.set_budget(cpu_s)
 
     def set_budget(self, cpu_s: float) -> None:
-        """Keep the window, change its budget (a call with limits of its own)."""
-        self.stop()
-        base, budget = self._base, cpu_s + SESSION_CPU_GRACE_S
+        """Keep the window, set its budget (a call with limits of its own)."""
+        budget = cpu_s + SESSION_CPU_GRACE_S
+        # A sleeping watch wakes no later than a larger budget needs; a smaller one needs a new wake-up.
+        restart = self._task is None or budget < self._budget
+        self._budget = budget
+        if restart:
+            self.stop()
+            self._task = asyncio.get_running_loop().create_task(self._watch())
 
+    async def _watch(self) -> None:
         async def used() -> float:
-            return await self._used_s() - base
+            return await self._used_s() - self._base
 
-        async def watch() -> None:
-            await cpu_budget(used, budget, self._cpus)
-            self.exhausted = True
-            self._on_exhausted()
-
-        self._task = asyncio.get_running_loop().create_task(watch())
+        while True:
+            await cpu_budget(used, self._budget, self._cpus)
+            if await used() >= self._budget:  # not a window moved on meanwhile
+                break
+        self.exhausted = True
+        self._on_exhausted()
 
     def stop(self) -> None:
         if self._task is not None:

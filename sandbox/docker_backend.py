@@ -579,12 +579,16 @@ class DockerBackend:
                     return True
             return False
 
-        cpu_start = await self._cpu_s(box)
+        # Without the container's cgroup file the daemon's stats cost a round trip: count from zero
+        # then (the launcher's own start, some 30 ms of CPU, is charged to the run).
+        cpu_start = box.cgroup.cpu_s() if box.cgroup is not None else 0.0
 
         async def used() -> float:
             return await self._cpu_s(box) - cpu_start
 
-        cpu_spent = asyncio.ensure_future(cpu_budget(used, limits.effective_cpu_s, self._cpus))
+        cpu_spent = asyncio.ensure_future(
+            cpu_budget(used, limits.effective_cpu_s, self._cpus, read_first=False)
+        )
         reader = asyncio.ensure_future(pump())
         outcome, exit_code, failure = "timeout", None, None
         # While output still flows only orphans holding stdout open need a look, so polls are rare;
@@ -763,6 +767,8 @@ class DockerSession:
         self._lost_state = False
         self._lock = asyncio.Lock()
         self._cpu: SessionCpuWatch | None = None
+        self._idle_tasks: int | None = None
+        self._frozen = False
 
     async def start(self) -> None:
         self._stdout, self._stderr = bytearray(), OutputCapture(4096)
@@ -788,8 +794,9 @@ class DockerSession:
 
         self._cpu = SessionCpuWatch(used, backend._cpus, end)
         await self._cpu.start_window(self.limits.effective_cpu_s)
-        if box.cgroup is not None:
-            box.cgroup.freeze()  # nothing it left running acts between calls
+        # Tasks of an idle session: more between calls means the episode left something running.
+        self._idle_tasks = box.cgroup.tasks() if box.cgroup is not None else None
+        self._frozen = False
 
     async def _more(self) -> None:
         assert self._box is not None and self._box.stream is not None
@@ -846,8 +853,9 @@ class DockerSession:
         started = time.monotonic()
         if self._cpu is not None:
             self._cpu.set_budget(limits.effective_cpu_s)
-        if self._box.cgroup is not None:
+        if self._frozen and self._box.cgroup is not None:
             self._box.cgroup.thaw()
+            self._frozen = False
         try:
             await self._box.stream.send(session_message(request))
             payload = await asyncio.wait_for(
@@ -876,12 +884,22 @@ class DockerSession:
                 if await self._backend._call(self._backend._oom_killed, box):
                     status, reason = ExecStatus.MEMORY, "memory limit exceeded (the container's memory cap)"
             return ExecResult(status, None, "", stderr, time.monotonic() - started, reason)
-        if self._box.cgroup is not None:
-            self._box.cgroup.freeze()
+        self._pause(self._box)
         if self._cpu is not None:
             with contextlib.suppress(*_FAILURES):
                 await self._cpu.start_window(self.limits.effective_cpu_s)
         return session_result(reply, limits, notice, time.monotonic() - started)
+
+    def _pause(self, box: _Box) -> None:
+        """Freeze the container until the next call if the episode left anything running in it, so
+        nothing uses CPU or acts between calls (where this host exposes its freezer)."""
+        cgroup, idle = box.cgroup, self._idle_tasks
+        if cgroup is None or cgroup.freeze_file is None or idle is None:
+            return
+        tasks = cgroup.tasks()
+        if tasks is not None and tasks > idle:
+            cgroup.freeze()
+            self._frozen = True
 
     async def _kill(self) -> None:
         if self._cpu is not None:

@@ -461,8 +461,10 @@ class LocalBackend:
         self._filling[key] = task
         task.add_done_callback(lambda _: self._filling.pop(key, None))
 
-    async def _take_box(self, key: _PoolKey) -> _Box:
-        """A warm sandbox for `key` if one waits, else a fresh one; the pool refills behind us."""
+    async def _take_box(self, key: _PoolKey, refill: bool = True) -> _Box:
+        """A warm sandbox for `key` if one waits, else a fresh one. The pool refills behind us, or
+        (`refill=False`) only when it had none: the caller refills once its run is over, so that
+        starting the next sandbox does not compete with this run on a small machine."""
         pool = self._warm.get(key, [])
         box = None
         while pool and box is None:
@@ -472,7 +474,8 @@ class LocalBackend:
                 box = candidate
             else:
                 await candidate.close()
-        self._refill(key)
+        if refill or box is None:
+            self._refill(key)
         return box if box is not None else await self._spawn_for(key)
 
     def _lend(self, key: _PoolKey) -> None:
@@ -518,15 +521,17 @@ class LocalBackend:
         """Run one program in a fresh sandbox and report what happened."""
         if self._closed:
             raise RuntimeError("this sandbox is closed")
+        key = _oneshot_key(request.limits)
         async with self._slots:
             try:
-                box = await self._take_box(_oneshot_key(request.limits))
+                box = await self._take_box(key, refill=False)
             except OSError as error:
                 return ExecResult.sandbox_error(f"could not start a sandbox: {error}")
             try:
                 return await self._run_in(box, request)
             finally:
                 await box.close()
+                self._refill(key)
 
     async def _run_in(self, box: _Box, request: ExecRequest) -> ExecResult:
         limits = request.limits
@@ -542,12 +547,16 @@ class LocalBackend:
         exited = asyncio.ensure_future(child.wait())
         if box.cgroup is not None:  # the job's own limits, over every process of the sandbox
             box.cgroup.set_limits(*_cgroup_limits(limits))
-        cpu_start = await box.cpu_s()
+        # Without a cgroup, the count over /proc costs a scan: count from zero then (the launcher's
+        # own start, some 30 ms of CPU, is charged to the run).
+        cpu_start = await box.cpu_s() if box.cgroup is not None else 0.0
 
         async def used() -> float:
             return await box.cpu_s() - cpu_start
 
-        cpu_spent = asyncio.ensure_future(cpu_budget(used, limits.effective_cpu_s, self._cpus))
+        cpu_spent = asyncio.ensure_future(
+            cpu_budget(used, limits.effective_cpu_s, self._cpus, read_first=False)
+        )
         flood = False
         with contextlib.suppress(TimeoutError, OSError):
             await asyncio.wait_for(child.write(b"%d\n" % len(job) + job), limits.timeout_s)
@@ -630,6 +639,7 @@ class LocalSession:
         self._lost_state = False
         self._lock = asyncio.Lock()
         self._cpu: SessionCpuWatch | None = None
+        self._oom_kills = 0
 
     async def start(self) -> None:
         key = _session_key(self.limits)
@@ -642,6 +652,7 @@ class LocalSession:
                 raise RuntimeError(f"sandbox session failed to start: {error}") from None
             self._box.greeted = True
         # Past its CPU budget the whole sandbox is ended; the next call restarts the session.
+        self._oom_kills = self._box.oom_kills()
         self._cpu = SessionCpuWatch(self._box.cpu_s, self._backend._cpus, self._box.kill)
         await self._cpu.start_window(self.limits.effective_cpu_s)
         self._box.note_idle()
@@ -683,7 +694,6 @@ class LocalSession:
     async def _call(self, box: _Box, request: ExecRequest, notice: str) -> ExecResult:
         limits = request.limits
         started = time.monotonic()
-        oom_kills = box.oom_kills()
         if self._cpu is not None:
             self._cpu.set_budget(limits.effective_cpu_s)
         box.resume()
@@ -704,7 +714,10 @@ class LocalSession:
             return ExecResult.sandbox_error(f"{error}; the session was restarted", time.monotonic() - started)
         except (EOFError, OSError, ValueError) as error:
             out_of_cpu = self._cpu is not None and self._cpu.exhausted
-            out_of_memory = box.oom_kills() > oom_kills
+            # Compared with the count at the session's start (read only now, off the common path): a
+            # background process killed for memory in an earlier call also counts, as the sandbox
+            # did run out of memory then.
+            out_of_memory = box.oom_kills() > self._oom_kills
             await self._kill()
             duration = time.monotonic() - started
             if out_of_cpu:

@@ -221,3 +221,13 @@ def test_search_r1_search_tags_are_calls_too(url: str) -> None:
     assert [m["name"] for m in observation] == ["search", "search"]
     assert all(m["content"].startswith("Doc 1(Title: Kaloter)") for m in observation)
     env.close()
+
+
+def test_a_refused_query_tells_the_model_why(url: str) -> None:
+    env = SearchEnv(tasks=[KALOTER], config=ToolEnvConfig(), retriever_url=url)
+    env.reset()
+    observation, _, terminated, _, info = env.step(search_call("Kaloter " * 200))  # over the length cap
+    content = observation[0]["content"]
+    assert not terminated and info["error"], observation
+    assert "HTTP 422" in content and "512" in content, content  # the cap it broke, not just a code
+    env.close()

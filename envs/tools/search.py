@@ -47,7 +47,7 @@ async def retrieve(
     except httpx.HTTPError as error:
         raise ToolError(f"the search service at {endpoint} is unreachable ({type(error).__name__})") from None
     if answer.status_code != 200:
-        raise ToolError(f"the search service answered HTTP {answer.status_code}")
+        raise ToolError(f"the search service answered HTTP {answer.status_code}{_why(answer)}")
     try:
         result = answer.json()["result"]
         if not isinstance(result, list):
@@ -61,6 +61,20 @@ async def retrieve(
         return [[_document(item) for item in hits] for hits in result]
     except (ValueError, KeyError, TypeError, IndexError):
         raise ToolError("the search service answered in an unknown format") from None
+
+
+def _why(answer: httpx.Response) -> str:
+    """The reason a refusing service gave (FastAPI's `detail`, a string or a list of errors), briefly,
+    so the model can fix its call (a query over the length cap, say)."""
+    try:
+        detail = answer.json().get("detail")
+    except (ValueError, AttributeError):
+        return ""
+    if isinstance(detail, list):
+        detail = "; ".join(
+            str(item.get("msg", item)) if isinstance(item, dict) else str(item) for item in detail
+        )
+    return f": {str(detail)[:300]}" if detail else ""
 
 
 def _document(item: Any) -> dict[str, Any]:
