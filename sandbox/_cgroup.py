@@ -20,13 +20,18 @@ Mechanisms, in order of preference (`CgroupTree.detect`):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import os
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from secrets import token_hex
+from typing import TypeVar
+
+T = TypeVar("T")
 
 CONTROLLERS = ("memory", "cpuacct", "pids")
 """The cgroup v1 controllers a sandbox cgroup needs."""
@@ -90,8 +95,8 @@ class CgroupTree:
         tree.sweep_dead_owners()
         return tree
 
-    def create(self, name: str, memory_bytes: int, max_tasks: int) -> SandboxCgroup:
-        """A cgroup for one sandbox with its memory and task limits set (before anything runs in it)."""
+    def create(self, name: str) -> SandboxCgroup:
+        """An empty cgroup for one sandbox (its limits are set before anything runs in it)."""
         paths = {controller: folder / name for controller, folder in self.folders.items()}
         made: list[Path] = []
         try:
@@ -99,7 +104,6 @@ class CgroupTree:
                 path.mkdir()
                 made.append(path)
             cgroup = SandboxCgroup(paths, self.leftovers)
-            cgroup.set_limits(memory_bytes, max_tasks)
         except BaseException:
             for path in made:
                 with contextlib.suppress(OSError):
@@ -171,19 +175,17 @@ class SandboxCgroup:
                 _write(memory / name, str(memory_bytes))
         _write(self.paths["pids"] / "pids.max", str(max_tasks))
 
-    @contextlib.contextmanager
-    def placing_children(self) -> Iterator[None]:
-        """Within this block, processes the calling thread forks are born in this cgroup."""
+    def take_thread(self) -> None:
+        """Move the calling thread into this cgroup: the processes it forks are born here."""
         tid = str(threading.get_native_id())
-        homes = {controller: path.parent.parent for controller, path in self.paths.items()}
-        # The thread's current cgroup per controller is two levels up: <own cgroup>/<tree>/<sandbox>.
         for path in self.paths.values():
             _write(path / "tasks", tid)
-        try:
-            yield
-        finally:
-            for controller in self.paths:
-                _write(homes[controller] / "tasks", tid)
+
+    def send_thread_home(self) -> None:
+        """Move the calling thread back to this process's own cgroups (<own>/<tree>/<sandbox>)."""
+        tid = str(threading.get_native_id())
+        for path in self.paths.values():
+            _write(path.parent.parent / "tasks", tid)
 
     @property
     def can_freeze(self) -> bool:
@@ -286,6 +288,67 @@ class ContainerCgroup:
         if self.freeze_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 _write(self.freeze_file, "THAWED" if self.freeze_file.name == "freezer.state" else "0")
+
+
+class Spawner:
+    """Starts sandboxes on one thread of its own that waits, ahead of time, inside the next sandbox's
+    still empty cgroup, so that what it forks is born there.
+
+    Moving a thread between cgroups waits for an RCU grace period (about 10 ms here) whenever no move
+    happened just before, so that move is made after each start, off the request path, not during
+    it. The thread stays in the sandbox it just started until then: its cgroup allows one task more."""
+
+    def __init__(self, tree: CgroupTree | None) -> None:
+        self._tree = tree
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pacerl-sandbox-spawn")
+        self._next: SandboxCgroup | None = None
+        self._current: SandboxCgroup | None = None
+        """The cgroup the thread is in (a sandbox it started, or the next one's)."""
+
+    def submit(
+        self, start: Callable[[SandboxCgroup | None], T]
+    ) -> tuple[concurrent.futures.Future[T], concurrent.futures.Future[None]]:
+        """Run `start(cgroup)` on the spawner thread, which is inside `cgroup` (None without cgroups);
+        the thread then moves on into a new empty cgroup for the next start. Returns the start's
+        future and one that is done once the thread has left the started sandbox's cgroup (before
+        that, the sandbox must not be frozen: the thread would freeze with it)."""
+
+        def job() -> T:
+            cgroup = None
+            if self._tree is not None:
+                cgroup = self._next or self._place(self._tree.create(token_hex(6)))
+                self._next = None
+            return start(cgroup)
+
+        return self._executor.submit(job), self._executor.submit(self._prepare)
+
+    def _place(self, cgroup: SandboxCgroup) -> SandboxCgroup:
+        cgroup.take_thread()
+        self._current = cgroup
+        return cgroup
+
+    def _prepare(self) -> None:
+        if self._tree is None or self._next is not None:
+            return
+        try:
+            self._next = self._place(self._tree.create(token_hex(6)))
+        except OSError:  # no new cgroup now: at least leave the sandbox's (the next start retries)
+            if self._current is not None:
+                self._current.send_thread_home()
+                self._current = None
+
+    def close(self) -> None:
+        """Bring the thread home, remove the unused cgroup, and stop (without waiting)."""
+
+        def finish() -> None:
+            if self._current is not None:
+                with contextlib.suppress(OSError):
+                    self._current.send_thread_home()
+            if self._next is not None:
+                self._next.remove()
+
+        self._executor.submit(finish)
+        self._executor.shutdown(wait=False)
 
 
 _TICKS = os.sysconf("SC_CLK_TCK")

@@ -23,7 +23,6 @@ only a sandbox whose zygote confirmed that reset returns to the warm pool, anyth
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -42,6 +41,7 @@ from sandbox._cgroup import (
     CgroupTree,
     SandboxCgroup,
     SessionCpuWatch,
+    Spawner,
     cpu_budget,
     cpus_available,
     fallback_bound,
@@ -144,11 +144,18 @@ class _Box:
         self.episodes = 0
         self._idle_tasks: int | None = None
         self._frozen = False
+        self.spawner_left: asyncio.Future[None] | None = None
+        """Done once the spawner thread has left this sandbox's cgroup (freezing waits for it)."""
 
-    def note_idle(self) -> None:
+    async def note_idle(self) -> None:
         """Remember how many tasks the sandbox has when nothing of the user's runs (zygote and
         interpreter waiting): more than that between calls means something was left running."""
         if self.cgroup is not None and self.cgroup.can_freeze:
+            if self.spawner_left is not None:
+                with contextlib.suppress(Exception):  # a failed move leaves it home, or it stays put
+                    await self.spawner_left
+                if not self.spawner_left.done() or self.spawner_left.exception() is not None:
+                    return  # never frozen: the spawner thread may still be inside
             self._idle_tasks = self.cgroup.tasks()
 
     def pause(self) -> None:
@@ -228,9 +235,10 @@ _RESET_TIMEOUT_S = 2.0
 
 
 _MEMORY_REASON = "memory limit of {} MiB exceeded (all processes of the sandbox together)"
-_TASK_OVERHEAD = 3
+_TASK_OVERHEAD = 4
 """Tasks of a sandbox that are not the user's: bubblewrap's outer process, its init (or the zygote)
-and the launcher's interpreter all count, as they do in the uid's RLIMIT_NPROC."""
+and the launcher's interpreter all count, as they do in the uid's RLIMIT_NPROC, and the spawner
+thread stays in a sandbox it started for a moment (`Spawner`)."""
 
 
 def _cgroup_limits(limits: Limits) -> tuple[int, int]:
@@ -297,8 +305,8 @@ class LocalBackend:
         tree_name = f"pacerl-{os.getpid()}-{secrets.token_hex(4)}"
         self._cgroups = CgroupTree.detect(tree_name) if self.options.cgroups else None
         self._cpus = cpus_available()
-        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pacerl-sandbox-spawn")
-        """Starts sandboxes off the event loop (one thread: it joins each new sandbox's cgroup to fork)."""
+        self._spawner = Spawner(self._cgroups)
+        """Starts sandboxes off the event loop, each born inside its own cgroup."""
         self._closed = False
 
     @property
@@ -368,7 +376,8 @@ class LocalBackend:
         os.set_blocking(status_read, False)
         uid = self._uids.take() if self._uids is not None else None
         start = functools.partial(self._start, mode, limits, limits_json, info_write, status_write, uid)
-        started = asyncio.get_running_loop().run_in_executor(self._spawner, start)
+        start_future, thread_left = self._spawner.submit(start)
+        started = asyncio.wrap_future(start_future)
 
         def discard(future: asyncio.Future[tuple[subprocess.Popen[bytes], SandboxCgroup | None]]) -> None:
             if not future.cancelled() and future.exception() is None:
@@ -391,17 +400,25 @@ class LocalBackend:
         except BaseException:
             release()
             raise
-        return _Box(Child(popen), info_read, status_read, uid, self._uids, cgroup)
+        box = _Box(Child(popen), info_read, status_read, uid, self._uids, cgroup)
+        box.spawner_left = asyncio.wrap_future(thread_left)
+        return box
 
     def _start(
-        self, mode: str, limits: Limits, limits_json: str, info_write: int, status_write: int, uid: int | None
+        self,
+        mode: str,
+        limits: Limits,
+        limits_json: str,
+        info_write: int,
+        status_write: int,
+        uid: int | None,
+        cgroup: SandboxCgroup | None,
     ) -> tuple[subprocess.Popen[bytes], SandboxCgroup | None]:
-        """Create the sandbox's cgroup and start its first process inside (spawner thread)."""
-        cgroup = None
+        """Start the sandbox's first process (on the spawner thread, which is inside `cgroup`)."""
         try:
-            if self._cgroups is not None:
+            if self._cgroups is not None and cgroup is not None:
                 self._cgroups.sweep()
-                cgroup = self._cgroups.create(secrets.token_hex(6), *_cgroup_limits(limits))
+                cgroup.set_limits(*_cgroup_limits(limits))
             launcher_args = [mode, str(status_write), limits_json]
             if self._bwrap is not None:
                 argv = self._bwrap_argv(launcher_args, limits, info_write)
@@ -423,9 +440,7 @@ class LocalBackend:
             # A clean environment from the first process on: bubblewrap's and unshare's own processes
             # are visible inside (/proc/1/environ), so the host's variables must never reach them.
             env = dict(SANDBOX_ENV)
-            placed = cgroup.placing_children() if cgroup is not None else contextlib.nullcontext()
-            with placed:
-                popen = spawn(argv, pass_fds=fds, env=env, **as_user)
+            popen = spawn(argv, pass_fds=fds, env=env, **as_user)
         except BaseException:
             if cgroup is not None:
                 cgroup.remove()
@@ -619,7 +634,7 @@ class LocalBackend:
                 await box.close()
         for session in list(self._sessions):
             await session.aclose()
-        self._spawner.shutdown(wait=False)
+        self._spawner.close()
         if self._cgroups is not None:
             self._cgroups.remove()  # what still holds exiting processes goes with the next backend's sweep
 
@@ -655,7 +670,7 @@ class LocalSession:
         self._oom_kills = self._box.oom_kills()
         self._cpu = SessionCpuWatch(self._box.cpu_s, self._backend._cpus, self._box.kill)
         await self._cpu.start_window(self.limits.effective_cpu_s)
-        self._box.note_idle()
+        await self._box.note_idle()
 
     async def _release(self, reusable: bool) -> None:
         """Hand the sandbox back (recycled if `reusable` and healthy, else killed)."""
