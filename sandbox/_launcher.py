@@ -564,35 +564,54 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+HEADER_BUFFER = bytearray(64)
+"""Where frame headers are read, with whatever payload bytes arrive in the same read: those are
+passed on at once and the buffer wiped, so no payload stays in the zygote's memory."""
+
+
+def read_header(source: int, pidfd: int | None) -> tuple[bytes, int, int]:
+    """Read up to a frame's header line into HEADER_BUFFER: (the header without its newline, where
+    the payload bytes read with it start in the buffer, how many there are). None-pidfd sources are
+    the host's; an interpreter's pipe is watched for its death. EOFError at the end of the stream."""
+    view, got = memoryview(HEADER_BUFFER), 0
+    while True:
+        if pidfd is not None and not wait_readable(source, pidfd):
+            raise EOFError("the session interpreter died")
+        count = os.readv(source, [view[got:]])
+        if not count:
+            raise EOFError("the stream ended")
+        got += count
+        end = HEADER_BUFFER.find(b"\n", 0, got)
+        if end >= 0:
+            return bytes(HEADER_BUFFER[:end]), end + 1, got - end - 1
+        if got == len(HEADER_BUFFER):
+            raise ProtocolViolationError("a malformed frame header")
+
+
+def pass_on(
+    target: int, header: bytes, start: int, extra: int, size: int, source: int, pidfd: int | None
+) -> None:
+    """Write `header` and the `extra` payload bytes already in HEADER_BUFFER, wipe the buffer, then
+    splice the rest of the `size`-byte payload from `source`."""
+    if extra > size:
+        raise ProtocolViolationError("more than one frame at once")
+    write_all(target, header + b"\n")
+    write_all(target, memoryview(HEADER_BUFFER)[start : start + extra])
+    HEADER_BUFFER[:] = bytes(len(HEADER_BUFFER))
+    splice_exactly(source, target, size - extra, pidfd)
+
+
 def relay_reply(source: int, target: int, pidfd: int, cap: int) -> None:
     """Pass one reply frame from the episode's interpreter to the host: the header is checked (a
-    decimal size within `cap`), the payload spliced unread. Raise EOFError if the interpreter died,
+    decimal size within `cap`), the payload passed on unread. Raise EOFError if the interpreter died,
     ProtocolViolationError if the episode wrote something else."""
-    header = b""
-    while not header.endswith(b"\n"):
-        if not wait_readable(source, pidfd):
-            raise EOFError("the session interpreter died")
-        byte = os.read(source, 1)
-        if not byte:
-            raise EOFError("the session interpreter died")
-        if len(header) > HEADER_DIGITS or not (byte.isdigit() or (byte == b"\n" and header)):
-            raise ProtocolViolationError("a malformed reply header")
-        header += byte
+    header, start, extra = read_header(source, pidfd)
+    if not header.isdigit() or len(header) > HEADER_DIGITS:
+        raise ProtocolViolationError("a malformed reply header")
     size = int(header)
     if size > cap:
         raise ProtocolViolationError(f"a reply of {size} bytes, over the {cap}-byte cap of this call")
-    write_all(target, b"%d\n" % size)
-    splice_exactly(source, target, size, pidfd)
-
-
-def read_host_header(fd: int) -> bytes | None:
-    header = b""
-    while not header.endswith(b"\n"):
-        byte = os.read(fd, 1)
-        if not byte:
-            return None
-        header += byte
-    return header
+    pass_on(target, header, start, extra, size, source, pidfd)
 
 
 def session(limits: Job, status_fd: int) -> None:
@@ -616,10 +635,11 @@ def session(limits: Job, status_fd: int) -> None:
         to_repl, from_repl, pidfd = fork_repl(limits, (host_in, host_out), lib)
         relay_reply(from_repl, host_out, pidfd, READY_FRAME_CAP)
         while True:
-            header = read_host_header(host_in)
-            if header is None:
+            try:
+                header, start, extra = read_header(host_in, None)
+            except EOFError:
                 break
-            if header == b"reset\n":
+            if header == b"reset":
                 if not recyclable:
                     raise RuntimeError("a zygote that is not PID 1 cannot reset its sandbox")
                 for fd in (to_repl, from_repl, pidfd):
@@ -629,8 +649,7 @@ def session(limits: Job, status_fd: int) -> None:
                 relay_reply(from_repl, host_out, pidfd, READY_FRAME_CAP)
                 continue
             size, cap = (int(field) for field in header.split())
-            write_all(to_repl, b"%d\n" % size)
-            splice_exactly(host_in, to_repl, size)
+            pass_on(to_repl, b"%d" % size, start, extra, size, host_in, None)
             relay_reply(from_repl, host_out, pidfd, cap)
     except ProtocolViolationError as violation:
         with contextlib.suppress(OSError):
