@@ -558,7 +558,7 @@ def splice_exactly(source: int, target: int, size: int, pidfd: int | None = None
         size -= moved
 
 
-def write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]

@@ -31,12 +31,6 @@ RESTART_NOTICE = (
 DIED_NOTICE = "[sandbox] the interpreter died; the session will restart on the next call\n"
 
 
-def frame(payload: dict[str, Any]) -> bytes:
-    """One length-prefixed JSON frame."""
-    data = json.dumps(payload).encode()
-    return b"%d\n" % len(data) + data
-
-
 RESET_MESSAGE = b"reset\n"
 """Asks a session zygote to end the episode and make the sandbox clean for the next one."""
 READY_CAP = 64

@@ -14,11 +14,16 @@ class Limits:
     timeout_s: float = 10.0
     """Wall-clock limit; past it the whole process tree is killed and the status is `timeout`."""
     cpu_s: float | None = None
-    """CPU-time limit (RLIMIT_CPU); None means the wall-clock timeout, rounded up."""
+    """CPU time of all the sandbox's processes together (its cgroup; RLIMIT_CPU per process too), past
+    which the run ends with `timeout`; None means the wall-clock timeout, rounded up. In a session it is
+    per call, counted from the previous call's end, plus a 2 s grace for the in-sandbox interrupt."""
     memory_mb: int = 512
-    """Address-space limit (RLIMIT_AS) in MiB; allocations beyond it fail and the status is `memory`."""
+    """Memory of all the sandbox's processes together, in MiB, shared memory and tmpfs pages included
+    (its cgroup; past it the kernel kills a process), and each process's address space (RLIMIT_AS:
+    allocations beyond it fail with MemoryError). Either way the status is `memory`."""
     max_processes: int = 64
-    """Processes and threads the code may have at once (RLIMIT_NPROC); contains fork bombs."""
+    """Processes and threads the code may have at once (RLIMIT_NPROC and the cgroup's pids.max);
+    contains fork bombs."""
     max_file_mb: int = 16
     """Largest file the code may write (RLIMIT_FSIZE), in MiB."""
     max_open_files: int = 64

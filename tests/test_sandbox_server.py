@@ -754,13 +754,14 @@ def test_cli_help_shows_the_servers_real_defaults(capsys: pytest.CaptureFixture[
 def test_the_servers_environment_stays_out_of_its_sandboxes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    secret = f"serversecret{os.getpid()}x{time.monotonic_ns()}"
+    secret = f"serversecret{time.monotonic_ns()}"
     monkeypatch.setenv("PACERL_TEST_SERVER_TOKEN", secret)  # inherited by the server process
     port = free_port()
     process = start_cli_server(port, tmp_path / "server.log")
     code = (
         "import os\nfor pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
-        "    try:\n        print(open(f'/proc/{pid}/environ', 'rb').read())\n    except OSError:\n        pass\n"
+        "    try:\n        print(open(f'/proc/{pid}/environ', 'rb').read())\n"
+        "    except OSError:\n        pass\n"
         "print(dict(os.environ))"
     )
     try:
