@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from sandbox import ExecStatus, Limits, Sandbox
+from sandbox.local import LocalBackend
 
 SHORT = Limits(timeout_s=3)
 
@@ -489,3 +490,18 @@ def test_session_sandbox_sleeps_between_calls(any_sandbox: Sandbox) -> None:
         time.sleep(3)  # the child would burn most of three CPU-seconds here if it ran
         after = float(session.run(used).stdout)
     assert after - before < 1.0, (before, after)  # it ran only during the second call (0.2 s)
+
+
+def test_without_cgroups_the_fallback_says_so_and_still_counts_cpu() -> None:
+    # Hosts where this process may not create cgroups (not root, cgroup v2 without delegation) keep
+    # per-process rlimits and sum CPU time over the sandbox's process tree from /proc.
+    with Sandbox("local", cgroups=False, warm_pool=0) as sandbox:
+        backend = sandbox._backend
+        assert isinstance(backend, LocalBackend)
+        assert backend.limits_mechanism.startswith("no writable cgroup"), backend.limits_mechanism
+        workers = "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n"
+        workers += "        end = time.process_time() + 1.5\n        while time.process_time() < end:\n"
+        workers += "            pass\n        os._exit(0)\nwhile True:\n    try:\n        os.wait()\n"
+        workers += "    except ChildProcessError:\n        break\nprint('all done')"
+        result = sandbox.run(workers, limits=Limits(timeout_s=120, cpu_s=3))
+        assert result.status is ExecStatus.TIMEOUT and "CPU" in result.reason, result
