@@ -317,6 +317,7 @@ class Spawner:
         self._next: SandboxCgroup | None = None
         self._current: SandboxCgroup | None = None
         """The cgroup the thread is in (a sandbox it started, or the next one's)."""
+        self._closed = False
 
     def submit(
         self, start: Callable[[SandboxCgroup | None], T]
@@ -360,7 +361,13 @@ class Spawner:
             if self._next is not None:
                 self._next.remove()
 
-        self._executor.submit(finish)
+        if self._closed:
+            return
+        self._closed = True
+        # At interpreter exit no job can be scheduled; the thread's end empties the cgroup, which the
+        # next backend on this host removes with its dead owner's folder.
+        with contextlib.suppress(RuntimeError):
+            self._executor.submit(finish)
         self._executor.shutdown(wait=False)
 
 

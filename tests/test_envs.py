@@ -11,6 +11,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_sandbox_recycle import TAKEOVER
 
 import envs
 from envs import Task, ToolEnvConfig, load_tasks
@@ -303,3 +304,18 @@ async def test_the_python_tool_turns_a_sandbox_refusal_into_a_tool_error() -> No
             await get_tool("python")({"code": "#" * (1024 * 1024 + 1)}, context)
     finally:
         await context.aclose()
+
+
+def test_an_episode_cannot_take_over_later_episodes_of_the_env() -> None:
+    # Later CodeMath episodes reuse the first one's sandbox (recycled sessions): whatever the first
+    # episode's code tries, the later episodes' calls are answered by their own code.
+    env = gymnasium.make("pacerl/CodeMath-v0")
+    env.reset(options={"task": TASK})
+    observation, *_ = env.step(python_call(TAKEOVER))
+    report = json.loads(observation[0]["content"])
+    assert report and all(value in (-1, [], "denied") for value in report.values()), report
+    for number in range(6):
+        env.reset(options={"task": TASK})
+        observation, *_ = env.step(python_call(f"print('canary' in globals(), {number} * 7)"))
+        assert observation[0]["content"] == f"False {number * 7}", observation
+    env.close()
