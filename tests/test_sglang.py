@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -129,20 +130,39 @@ async def test_abort_in_flight_returns_partial_tokens_and_routes(standin: StandI
     assert aborted.routed_experts.shape == (len(prompt) + count - 1, 2, 2)
     assert np.array_equal(aborted.routed_experts, full.routed_experts[: len(prompt) + count - 1])
     await client.abort("no-such-request")  # SGLang answers 200 for an unknown rid
-    # A caller that gives up (cancels) disconnects, and the server aborts the request.
+    # A caller that gives up (cancels) disconnects, and the server aborts the request. From the cancel
+    # on, the engine may not decode until an abort reaches it: the request can end only by that abort,
+    # whatever the machine's speed (counting tokens made in the meantime would measure the speed).
+    engine = standin.engine
+    may_decode, aborts = threading.Event(), []
+    may_decode.set()
+    decode, abort = engine._decode, engine.abort
+
+    def held_decode() -> None:
+        may_decode.wait(timeout=60)
+        decode()
+
+    async def seen_abort(request_id: str) -> None:
+        aborts.append(request_id)
+        await abort(request_id)
+        may_decode.set()
+
+    engine._decode = held_decode  # type: ignore[method-assign]
+    engine.abort = seen_abort  # type: ignore[method-assign]
     task = asyncio.ensure_future(client.generate(prompt, LONG))
     await standin.wait_for_tokens(3)
+    may_decode.clear()
     task.cancel()
     most = 0
 
     def gone() -> bool:
         nonlocal most
-        rows = list(standin.engine._rows)
+        rows = list(engine._rows)
         most = max([most, *(len(r.tokens) for r in rows)])
         return not rows
 
     await standin.wait_until(gone)
-    assert most < 200  # stopped by the disconnect, long before its 240 tokens
+    assert len(aborts) == 1 and most < 240  # ended by the disconnect's abort, not by its length
     await client.aclose()
 
 
