@@ -347,6 +347,33 @@ def test_kl_k3_by_hand() -> None:
     _close(logprobs.grad, [[0.5 / 3, -1 / 3], [0.0, 0.0]])
 
 
+def test_kl_k3_is_bounded_per_token() -> None:
+    # A log-ratio of 25 gives e^25 - 26 = 7.2e10 unclamped; verl's bound keeps the token at 10.
+    logprobs = torch.tensor([[0.0, -1.0]], requires_grad=True)
+    reference = torch.tensor([[25.0, -1.0]])
+    mask = torch.tensor([[True, True]])
+    kl = kl_k3(logprobs, reference, mask)
+    _close(kl, (10.0 + 0.0) / 2)
+    kl.backward()
+    assert logprobs.grad is not None
+    _close(logprobs.grad, [[0.0, 0.0]])  # past the bound no gradient; the equal token has none either
+    # Just inside the bounds the estimator is unchanged: δ = 2 gives e^2 - 3 = 4.389 < 10.
+    _close(kl_k3(torch.tensor([[0.0]]), torch.tensor([[2.0]]), torch.tensor([[True]])), math.exp(2) - 3)
+    # A large negative log-ratio is clamped at -20, and e^-20 + 19 is past the token bound: 10.
+    _close(kl_k3(torch.tensor([[0.0]]), torch.tensor([[-30.0]]), torch.tensor([[True]])), 10.0)
+
+
+def test_grpo_sequence_mean_skips_rows_without_tokens() -> None:
+    # verl's seq-mean-token-mean: mask [[1], [0]], equal log-probs, advantages [1, 0] gives -1.0 (the
+    # one row with a token), not -0.5 (a mean that also counts the empty row).
+    logprobs = torch.zeros(2, 1)
+    mask = torch.tensor([[True], [False]])
+    output = grpo_loss(logprobs, logprobs, torch.tensor([1.0, 0.0]), mask, aggregation="sequence")
+    _close(output.loss, -1.0)
+    empty = grpo_loss(logprobs, logprobs, torch.tensor([1.0, 0.0]), torch.zeros(2, 1, dtype=torch.bool))
+    _close(empty.loss, 0.0)
+
+
 def test_entropy_by_hand() -> None:
     assert entropy_from_logits(torch.zeros(1, 1, 4), torch.ones(1, 1, dtype=torch.bool)).item() == (
         pytest.approx(math.log(4))

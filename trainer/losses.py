@@ -125,7 +125,12 @@ def grpo_loss(
     if aggregation == "token":
         loss = (per_token * weights).sum() / weights.sum().clamp_min(1)
     else:
-        loss = ((per_token * weights).sum(-1) / weights.sum(-1).clamp_min(1)).mean()
+        # The mean over sequences that have trainable tokens (as verl's seq-mean-token-mean): a row
+        # with none would only dilute the others.
+        counts = weights.sum(-1)
+        per_sequence = (per_token * weights).sum(-1) / counts.clamp_min(1)
+        present = counts > 0
+        loss = per_sequence[present].mean() if bool(present.any()) else per_sequence.sum() * 0
     return _output(loss, was_clipped[mask], gated[mask], k[gated])
 
 
@@ -310,6 +315,12 @@ def gmc_loss(
     return _output(loss, capped, no_gate, torch.ones(0))
 
 
+KL_LOG_RATIO_BOUND = 20.0
+"""|log π_ref - log π_θ| past which k3 stops growing (verl's low_var_kl clamps the same)."""
+KL_TOKEN_BOUND = 10.0
+"""The most one token adds to k3 (verl's low_var_kl bound)."""
+
+
 def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The k3 estimator of KL[π_θ‖π_ref] (Schulman 2020, "Approximating KL divergence"), GRPO's KL term
     (DeepSeekMath, arXiv 2402.03300, Eq. 4): per token exp(δ) - δ - 1 with δ = log π_ref - log π_θ,
@@ -317,11 +328,16 @@ def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.
 
     Shapes: `logprobs`, `reference_logprobs`, `mask` `[B, T]`. Returns the mean over trainable tokens, a
     scalar; gradients flow to `logprobs` only (the reference is frozen).
+
+    Bounded as verl's `low_var_kl`: δ is clamped to [-KL_LOG_RATIO_BOUND, KL_LOG_RATIO_BOUND] and each
+    token's value to at most KL_TOKEN_BOUND, so one token whose log-ratio ran away (25 gives 7e10
+    unclamped) cannot swamp the step; past either bound that token's gradient is zero.
     """
     _check_shapes(mask, None, logprobs=logprobs, reference_logprobs=reference_logprobs)
     logprobs, reference = _off_mask_zeroed(mask, logprobs, reference_logprobs)
-    delta = reference.detach() - logprobs
-    per_token = torch.where(mask, torch.exp(delta) - delta - 1, 0.0)
+    delta = torch.clamp(reference.detach() - logprobs, -KL_LOG_RATIO_BOUND, KL_LOG_RATIO_BOUND)
+    per_token = torch.clamp(torch.exp(delta) - delta - 1, max=KL_TOKEN_BOUND)
+    per_token = torch.where(mask, per_token, 0.0)
     return per_token.sum() / mask.sum().clamp_min(1)
 
 
