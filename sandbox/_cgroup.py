@@ -230,9 +230,6 @@ class SandboxCgroup:
                     return int(value)
         return 0
 
-    def memory_peak_bytes(self) -> int:
-        return int((self.paths["memory"] / "memory.max_usage_in_bytes").read_text())
-
     def remove(self) -> None:
         """Remove the cgroups; one still holding exiting processes is left to `CgroupTree.sweep`."""
         for fd in self._fds.values():

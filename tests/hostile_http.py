@@ -140,3 +140,11 @@ def assert_idle_after_answer_then_partial_is_closed(port: int, request: bytes, p
         assert status == 200 and headers.get("connection") != "close", (status, headers)
         client.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode())
         assert trickle_until_closed(client), "the unfinished second request kept its connection"
+
+
+def assert_slow_body_is_408(port: int, path: str, partial_body: bytes) -> None:
+    """Part of 100 declared bytes, then nothing: the body timeout (1 s in the guarded fixtures)
+    answers 408, then the server closes the connection."""
+    status, headers, body = exchange(port, post_head(path, 100) + partial_body)
+    assert status == 408 and headers["connection"] == "close"
+    assert detail(body) == "the request body did not arrive within 1 s"
