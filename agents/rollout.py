@@ -12,21 +12,29 @@ new segment. Failures never kill the batch: a trajectory ends `failed` with its 
 policy keeps or drops its group, and every outcome is counted. An env or engine that lost an episode's
 state for good (a distributed worker that died and could not replay it) raises `envs.EpisodeLost`: the
 episode is played again from its start under the same id (requeued), never counted twice.
+
+Routes (R3) are recorded for the whole sequence, as slime and Megatron replay it: each engine call
+asks for the rows of the positions the record does not hold yet (`routed_experts_start_len`), which
+are those of the prompt or tool response its prefill computed, then those of its own tokens; the
+former are attached to the prompt or tool segment, the latter go with the new model segments.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
+
+import numpy as np
 
 from agents.engine.embedded import ContextOverflowError
-from agents.engine.protocol import Engine, FinishReason, Generation, SamplingParams
+from agents.engine.protocol import Engine, EngineWithRoutesStart, FinishReason, Generation, SamplingParams
 from agents.routing import RoutedExperts
 from agents.trajectory import Origin, Status, Trajectory
 from envs import EpisodeLost, Message, Task
@@ -101,6 +109,10 @@ class RolloutDriver:
         self.config = config or RolloutConfig()
         self.num_experts = num_experts
         """Experts per MoE layer of the engine's model (0 for a dense model: no routes recorded)."""
+        self._routes_from = "routed_experts_start_len" in inspect.signature(engine.generate).parameters
+        """Whether the engine is an `EngineWithRoutesStart`; one that is not (a proxy that does not
+        forward the argument) answers every row of the stream, of which the driver keeps the new
+        ones: the same record, only more bytes on the way."""
         self.counts: Counter[str] = Counter()
         """Outcomes so far: `status:<status>`, `reason:<reason>`, `resumed`, `dropped_groups`,
         `resumed_from_checkpoint`, `resume_tool_output_changed`, `requeued`."""
@@ -296,12 +308,7 @@ class RolloutDriver:
             sampling = replace(self.config.sampling, max_new_tokens=max(1, min(budget - len(produced), room)))
             started, version_before = time.time(), self.engine.version
             try:
-                generation = await self.engine.generate(
-                    list(trajectory.tokens),
-                    sampling,
-                    return_routed_experts=self.num_experts > 0 and self.config.record_routes,
-                    session=trajectory.id,
-                )
+                generation = await self._call_engine(trajectory, sampling)
             except ContextOverflowError as error:
                 return f"context overflow: {error}"
             except (RuntimeError, OSError, TimeoutError) as error:
@@ -310,7 +317,9 @@ class RolloutDriver:
                 if failures > self.config.engine_retries:
                     return f"engine failed: {error}"
                 continue
-            self._append_generation(trajectory, generation, started, time.time())
+            append_generation(
+                trajectory, generation, num_experts=self.num_experts, started_at=started, ended_at=time.time()
+            )
             produced += generation.tokens
             if generation.finish_reason is not FinishReason.ABORT:
                 return produced
@@ -322,31 +331,22 @@ class RolloutDriver:
             if len(produced) >= budget:
                 return produced
 
-    def _append_generation(
-        self, trajectory: Trajectory, generation: Generation, started: float, ended: float
-    ) -> None:
-        """One model segment per run of a single version."""
-        tokens, versions = generation.tokens, generation.versions
-        routes = generation.routed_experts
-        rows = routes[len(routes) - len(tokens) :] if routes is not None and len(tokens) else None
-        reason = generation.finish_reason.value
-        start = 0
-        for version, run in itertools.groupby(range(len(tokens)), key=lambda i: versions[i]):
-            count = len(list(run))
-            end = start + count
-            experts = None
-            if rows is not None:
-                experts = RoutedExperts.from_array(rows[start:end], num_experts=self.num_experts)
-            trajectory.append_model(
-                tokens[start:end],
-                generation.logprobs[start:end],
-                version=version,
-                started_at=started,
-                ended_at=ended,
-                routed_experts=experts,
-                finish_reason=reason if end == len(tokens) else "weight_update",
+    async def _call_engine(self, trajectory: Trajectory, sampling: SamplingParams) -> Generation:
+        """Generate from the record's tokens, asking for the routes the record lacks."""
+        tokens = list(trajectory.tokens)
+        if not (self.num_experts > 0 and self.config.record_routes):
+            return await self.engine.generate(tokens, sampling, session=trajectory.id)
+        if not self._routes_from:
+            return await self.engine.generate(
+                tokens, sampling, return_routed_experts=True, session=trajectory.id
             )
-            start = end
+        return await cast(EngineWithRoutesStart, self.engine).generate(
+            tokens,
+            sampling,
+            return_routed_experts=True,
+            routed_experts_start_len=trajectory.routed_length,
+            session=trajectory.id,
+        )
 
     def _finish(
         self,
@@ -383,6 +383,56 @@ class RolloutDriver:
     def _decode_content(self, tokens: Sequence[int]) -> str:
         text: str = self.tokenizer.decode(list(tokens), skip_special_tokens=False)
         return text.removesuffix(self._eos_text) if self._eos_text else text
+
+
+def append_generation(
+    trajectory: Trajectory, generation: Generation, *, num_experts: int, started_at: float, ended_at: float
+) -> None:
+    """Record one engine call into a running trajectory: the routes its prefill computed for the
+    prompt or tool segments that lacked them, then one model segment per run of a single version
+    (`finish_reason` on the last, `weight_update` on the others), with their tokens' routes.
+
+    The generation's routes must start at or before the record's `routed_length` (the call asked for
+    `routed_experts_start_len` = `routed_length`, or for everything) and cover its input positions up
+    to the last computed one; `num_experts` is the experts per MoE layer."""
+    tokens, versions = generation.tokens, generation.versions
+    rows = _new_routes(trajectory, generation, num_experts)
+    reason = generation.finish_reason.value
+    start = 0
+    for version, run in itertools.groupby(range(len(tokens)), key=lambda i: versions[i]):
+        end = start + len(list(run))
+        experts = None
+        if rows is not None:
+            experts = RoutedExperts.from_array(rows[start:end], num_experts=num_experts)
+        trajectory.append_model(
+            tokens[start:end],
+            generation.logprobs[start:end],
+            version=version,
+            started_at=started_at,
+            ended_at=ended_at,
+            routed_experts=experts,
+            finish_reason=reason if end == len(tokens) else "weight_update",
+        )
+        start = end
+
+
+def _new_routes(trajectory: Trajectory, generation: Generation, num_experts: int) -> np.ndarray | None:
+    """Attach the rows of the positions before the generated tokens that the record lacks, and return
+    the rows of the generated tokens (None when the engine sent no routes or no tokens)."""
+    routes = generation.routed_experts
+    if routes is None:
+        return None
+    held, start = trajectory.routed_length, generation.routed_experts_start
+    context = len(trajectory.tokens) - 1  # input positions before the one that produced the first token
+    if start > held or len(routes) != max(0, context + len(generation.tokens) - start):
+        raise ValueError(
+            f"the engine sent {len(routes)} rows from input position {start} for {context + 1} prompt and "
+            f"{len(generation.tokens)} generated tokens; the record holds the rows of inputs before {held}"
+        )
+    if context > held:
+        prefill = RoutedExperts.from_array(routes[held - start : context - start], num_experts)
+        trajectory.attach_routes(prefill, held)
+    return routes[context - start :] if generation.tokens else None
 
 
 def _jsonable(value: Any) -> Any:

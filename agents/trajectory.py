@@ -4,6 +4,13 @@ the policy version that generated it, so per-token versions, the loss mask and t
 PACE and SAT (ALGORITHMS.md §2, §6) are derived from the record alone.
 
 An interrupted generation that resumes under new weights is a new model segment with the new version.
+
+Routes (R3) cover the whole sequence: every segment may carry the routed experts of its tokens, the
+row of token t being the routing of the forward whose input was t − 1 (`agents.routing`). A model
+segment's rows come with its tokens; the prompt's (all its tokens but the first, which no forward
+produced) and a tool response's come from the prefill of the engine call that follows them, and are
+attached then (`attach_routes`). Record format 2 (`RECORD_FORMAT`); format 1, written before routes
+of prompt and tool tokens were recorded, still loads: its routes cover model tokens only.
 """
 
 from __future__ import annotations
@@ -69,8 +76,12 @@ def _check_number(name: str, value: object, *, integer: bool = False, minimum: f
         raise ValueError(f"{name} must be >= {minimum}, got {number}")
 
 
-_MODEL_FIELDS = ("logprobs", "version", "started_at", "ended_at", "finish_reason", "routed_experts")
-_SEGMENT_KEYS = {"origin", "tokens", *_MODEL_FIELDS}
+RECORD_FORMAT = 2
+"""The trajectory JSON format `Trajectory.to_json` writes. 2: routes may cover prompt and tool
+segments too. 1 (no `format` key): routes on model segments only; still read."""
+
+_MODEL_FIELDS = ("logprobs", "version", "started_at", "ended_at", "finish_reason")
+_SEGMENT_KEYS = {"origin", "tokens", "routed_experts", *_MODEL_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -93,19 +104,27 @@ class Segment:
     """Model only: why it stopped, e.g. `stop`, `length`, `tool_call`, or `abort` when new weights
     interrupted it (the rest then follows as a new segment)."""
     routed_experts: RoutedExperts | None = None
-    """Model only, for R3: one row per token, the routing of the forward pass that produced it (see
-    `agents.routing`; for SGLang, the last `len(tokens)` rows of the response's routed experts)."""
+    """For R3: one row per token, the routing of the forward pass that produced it (see
+    `agents.routing`); the prompt has none for its first token, so `len(tokens) - 1` rows. A model
+    segment's rows are those the engine decoded it with; a prompt's or tool response's, those of the
+    prefill of the next engine call."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.origin, Origin):
             raise ValueError(f"origin must be an Origin, got {self.origin!r}")
         object.__setattr__(self, "tokens", _int_tuple("tokens", self.tokens))
+        routes = self.routed_experts
+        if routes is not None and (not isinstance(routes, RoutedExperts) or len(routes) != self.route_rows):
+            raise ValueError(
+                f"routed_experts of a {self.origin} segment of {len(self.tokens)} tokens must be "
+                f"RoutedExperts with {self.route_rows} rows, got {routes!r}"
+            )
         if self.origin is not Origin.MODEL:
             present = [name for name in _MODEL_FIELDS if getattr(self, name) is not None]
             if present:
                 raise ValueError(f"a {self.origin} segment has no {', '.join(present)}")
             return
-        missing = [name for name in _MODEL_FIELDS[:-1] if getattr(self, name) is None]
+        missing = [name for name in _MODEL_FIELDS if getattr(self, name) is None]
         if missing or self.logprobs is None:
             raise ValueError(f"a model segment needs {', '.join(missing)}")
         logprobs = _float_tuple("logprobs", self.logprobs)
@@ -117,20 +136,20 @@ class Segment:
         _check_number("ended_at", self.ended_at, minimum=self.started_at)
         if not isinstance(self.finish_reason, str) or not self.finish_reason:
             raise ValueError(f"finish_reason must be a non-empty string, got {self.finish_reason!r}")
-        routes = self.routed_experts
-        if routes is not None and (not isinstance(routes, RoutedExperts) or len(routes) != len(self.tokens)):
-            raise ValueError(
-                f"routed_experts must be RoutedExperts with {len(self.tokens)} rows, got {routes!r}"
-            )
+
+    @property
+    def route_rows(self) -> int:
+        """Rows a complete `routed_experts` has: one per token, the prompt's first token excepted."""
+        return len(self.tokens) - int(self.origin is Origin.PROMPT)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON; floats are written by `repr`, which reads back bit-exactly."""
         data: dict[str, Any] = {"origin": self.origin.value, "tokens": list(self.tokens)}
         if self.origin is Origin.MODEL:
-            data.update({name: getattr(self, name) for name in _MODEL_FIELDS[:-1]})
+            data.update({name: getattr(self, name) for name in _MODEL_FIELDS})
             data["logprobs"] = list(data["logprobs"])
-            if self.routed_experts is not None:
-                data["routed_experts"] = self.routed_experts.to_json()
+        if self.routed_experts is not None:
+            data["routed_experts"] = self.routed_experts.to_json()
         return data
 
     @classmethod
@@ -349,19 +368,72 @@ class Trajectory:
         """The distinct versions of the model segments, in order of first appearance."""
         return tuple(dict.fromkeys(s.version for s in self.segments if s.version is not None))
 
+    def _route_spans(self) -> list[tuple[int, Segment]]:
+        """(first token position with a row, segment) per segment: its start, the prompt's plus one."""
+        starts = np.cumsum(self._lengths()) - self._lengths()
+        return [
+            (int(start) + int(s.origin is Origin.PROMPT), s)
+            for start, s in zip(starts, self.segments, strict=True)
+        ]
+
     def routed_experts(self) -> tuple[npt.NDArray[np.int64], RoutedExperts] | None:
         """The recorded routes of the whole sequence as `(positions, routes)`: the ascending token
-        positions whose segment recorded routes (model tokens only) and their rows. None when nothing was
-        recorded. No rows are invented for prompt or tool tokens. The row of position t is the routing of
-        the forward whose input was t − 1, so the trainer replays it at input position `positions - 1`
-        and lets the live router choose at the other inputs."""
-        starts = np.cumsum(self._lengths()) - self._lengths()
-        recorded = [(int(start), s.routed_experts) for start, s in zip(starts, self.segments, strict=True)]
-        found = [(start, routes) for start, routes in recorded if routes is not None]
+        positions whose segment recorded routes and their rows; None when nothing was recorded. A
+        record of this format covers every position but 0 up to the last token generated (a trailing
+        tool response, never followed by an engine call, has none); a format-1 record covers its model
+        tokens only. The row of position t is the routing of the forward whose input was t − 1, so the
+        trainer replays it at input position `positions - 1`; inputs without a row keep the live
+        router."""
+        found = [
+            (first, s.routed_experts) for first, s in self._route_spans() if s.routed_experts is not None
+        ]
         if not found:
             return None
-        positions = np.concatenate([np.arange(start, start + len(routes)) for start, routes in found])
+        positions = np.concatenate([np.arange(first, first + len(routes)) for first, routes in found])
         return positions.astype(np.int64), RoutedExperts.concat([routes for _, routes in found])
+
+    @property
+    def routed_length(self) -> int:
+        """n such that the rows of tokens 1..n (input positions 0..n−1) are recorded, segment by
+        segment from the prompt on: what the next engine call passes as `routed_experts_start_len`."""
+        covered = 0
+        for first, segment in self._route_spans():
+            if segment.routed_experts is None:
+                break
+            covered = first + len(segment.routed_experts) - 1
+        return covered
+
+    def attach_routes(self, routes: RoutedExperts, start: int) -> int:
+        """Record the rows of input positions `[start, start + len(routes))` (tokens `start + 1` ..
+        `start + len(routes)`) that an engine's prefill computed: every segment without routes whose
+        tokens they cover gets its rows; segments that have routes keep them. Returns how many segments
+        got rows. A segment without routes covered only in part is a ValueError (misaligned rows)."""
+        self._require_running("attach routes to")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start must be an int >= 0, got {start!r}")
+        end = start + 1 + len(routes)  # rows of tokens [start + 1, end)
+        if end > len(self.tokens):
+            raise ValueError(
+                f"{len(routes)} rows from input position {start} run past the {len(self.tokens)} tokens"
+            )
+        segments = list(self.segments)
+        attached = 0
+        for index, (first, segment) in enumerate(self._route_spans()):
+            last = first + segment.route_rows  # the segment's rows are those of tokens [first, last)
+            if segment.routed_experts is not None:
+                continue
+            if start + 1 <= first and last <= end:
+                rows = routes[first - start - 1 : last - start - 1]
+                segments[index] = dataclasses.replace(segment, routed_experts=rows)
+                attached += 1
+            elif first < end and start + 1 < last:
+                raise ValueError(
+                    f"rows of tokens [{start + 1}, {end}) cover only part of the {segment.origin} segment "
+                    f"of tokens [{first}, {last})"
+                )
+        _check_routes(segments)
+        self.segments = tuple(segments)
+        return attached
 
     # -- staleness (ALGORITHMS.md §6) --------------------------------------------------------------------
 
@@ -403,20 +475,32 @@ class Trajectory:
     # -- serialization -----------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        """Plain JSON types; `from_json(to_json())` equals the original exactly."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Plain JSON types, format `RECORD_FORMAT`; `from_json(to_json())` equals the original exactly."""
+        data: dict[str, Any] = {"format": RECORD_FORMAT}
+        data.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         data["status"] = self.status.value
         data["segments"] = [segment.to_json() for segment in self.segments]
         return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Trajectory:
-        """The inverse of `to_json`, validated."""
+        """The inverse of `to_json`, validated; also reads format 1 (no `format` key)."""
+        fields = dict(data)
+        version = fields.pop("format", 1)
+        if version not in (1, RECORD_FORMAT) or isinstance(version, bool):
+            raise ValueError(
+                f"trajectory record format {version!r} is not one this pacerl reads (1 or {RECORD_FORMAT}); "
+                "it was written by another version of pacerl"
+            )
         expected = {f.name for f in dataclasses.fields(cls)}
-        if set(data) != expected:
-            raise ValueError(f"trajectory JSON needs exactly {sorted(expected)}; got {sorted(data)}")
-        segments = tuple(Segment.from_json(segment) for segment in data["segments"])
-        return cls(**{**data, "status": Status(data["status"]), "segments": segments})
+        if set(fields) != expected:
+            raise ValueError(f"trajectory JSON needs exactly {sorted(expected)}; got {sorted(fields)}")
+        segments = tuple(Segment.from_json(segment) for segment in fields["segments"])
+        if version == 1 and any(
+            s.origin is not Origin.MODEL and s.routed_experts is not None for s in segments
+        ):
+            raise ValueError("a format-1 trajectory record has routes on model segments only")
+        return cls(**{**fields, "status": Status(fields["status"]), "segments": segments})
 
 
 def _check_routes(segments: Sequence[Segment]) -> None:

@@ -5,7 +5,8 @@ of R3 routing replay (trainer/learner.py, trainer/replay.py).
 
 The batch: 16 trajectories of the tiny MoE (1.9M parameters), each a 32-token prompt and a 224-token
 model segment (256 tokens, 3,584 trained), with the routes the model itself picks recorded for every
-model token, as an engine running the same weights would.
+position (prompt and model tokens, as the rollout driver records them), as an engine running the same
+weights would.
 
 - `plain`: `model(input_ids, attention_mask)`, a masked token-mean log-likelihood loss on the same
   tokens, backward, grad-norm clip, AdamW step: the least any RL step on this batch must do.
@@ -14,10 +15,11 @@ model token, as an engine running the same weights would.
 
 Arms alternate within each repetition so machine noise hits them alike; figures are medians of
 `--repeats`. Targets: learner ≥ 0.9× plain tokens/s; R3 overhead ≤ 10%. `mismatch`: the training–
-inference mismatch (mean and max |log π_θ − log μ| over generated tokens) with and without R3, and the
-share of routes where the trainer's live router disagrees with the engine's, for engines whose routers
-are perturbed by increasing noise. The PACE selection time at pool
-sizes 1k and 10k comes from benchmarks/pool.py and is folded in here.
+inference mismatch (mean and max |log π_θ − log μ| over generated tokens) with the trainer's live
+routing and with R3 (the engine's routes replayed at every position: prompt and generated tokens), and
+the share of routes where the trainer's live router disagrees with the engine's, for engines whose
+routers are perturbed by increasing noise (`--mismatch-only` runs this part alone). The PACE
+selection time at pool sizes 1k and 10k comes from benchmarks/pool.py and is folded in here.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agents.engine import EmbeddedEngine, EmbeddedEngineConfig, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe, moe_info
+from agents.rollout import append_generation
 from agents.routing import RoutedExperts
 from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Status, Trajectory
@@ -70,6 +73,7 @@ def make_batch(model: torch.nn.Module, seed: int = 0) -> list[list[Trajectory]]:
         for i in range(GROUP):
             row = g * GROUP + i
             trajectory = Trajectory.start(f"{g}/{i}", str(g), "task", ids[row, :PROMPT])
+            trajectory.attach_routes(RoutedExperts.from_array(routes[row, : PROMPT - 1], num_experts=8), 0)
             trajectory.append_model(
                 ids[row, PROMPT:],
                 rng.uniform(-7.0, -5.0, RESPONSE),
@@ -103,7 +107,8 @@ def plain_step(
 
 
 async def engine_rollouts(engine_model: torch.nn.Module, prompts: list[list[int]]) -> list[Trajectory]:
-    """One sampled generation per prompt with its routes, recorded as the rollout driver does."""
+    """One sampled generation per prompt with the routes of every position (the prompt's from the
+    prefill, then the generated tokens'), recorded as the rollout driver does."""
     engine = EmbeddedEngine(engine_model, config=EmbeddedEngineConfig(seed=1))
     sampling = SamplingParams(max_new_tokens=48, temperature=1.0)
     outputs = await asyncio.gather(
@@ -112,18 +117,8 @@ async def engine_rollouts(engine_model: torch.nn.Module, prompts: list[list[int]
     await engine.aclose()
     trajectories = []
     for index, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-        assert out.routed_experts is not None
         trajectory = Trajectory.start(f"m{index}", "m", "task", prompt)
-        rows = out.routed_experts[len(out.routed_experts) - len(out.tokens) :]
-        trajectory.append_model(
-            out.tokens,
-            out.logprobs,
-            version=0,
-            started_at=0.0,
-            ended_at=0.0,
-            finish_reason=out.finish_reason.value,
-            routed_experts=RoutedExperts.from_array(rows, num_experts=8),
-        )
+        append_generation(trajectory, out, num_experts=8, started_at=0.0, ended_at=0.0)
         trajectory.finish(Status.COMPLETED, reason="", reward=0.0, completed_version=0, completed_at=0.0)
         trajectories.append(trajectory)
     return trajectories
@@ -156,9 +151,15 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/trainer.json")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--mismatch-only", action="store_true", help="only the mismatch table (printed, not written)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = tiny_tokenizer()
+    if args.mismatch_only:
+        print(json.dumps(mismatch(tokenizer), indent=2))
+        return
     model = build_tiny_moe(TinyMoEConfig(), tokenizer)
     groups = make_batch(model)
     tokens = sum(t.num_model_tokens for group in groups for t in group)

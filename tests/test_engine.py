@@ -133,6 +133,27 @@ async def test_routed_experts_cover_every_fed_position() -> None:
     assert (routes == full).all()
 
 
+async def test_routes_from_a_start_position_are_the_tail_of_the_whole_stream() -> None:
+    """`routed_experts_start_len` (SGLang's field): the rows of input positions from the start on, the
+    same as the whole stream's from there; `len(prompt)` leaves out the prompt's last position too."""
+    engine = EmbeddedEngine(tiny_moe())
+    prompt = [10, 11, 12, 13, 14]
+    whole = await engine.generate(prompt, GREEDY, return_routed_experts=True)
+    assert whole.routed_experts is not None and whole.routed_experts_start == 0
+    for start in (1, 3, len(prompt)):
+        part = await engine.generate(
+            prompt, GREEDY, return_routed_experts=True, routed_experts_start_len=start
+        )
+        assert part.tokens == whole.tokens and part.routed_experts_start == start
+        assert part.routed_experts is not None
+        assert part.routed_experts.shape == (len(prompt) + len(part.tokens) - 1 - start, 2, 2)
+        assert (part.routed_experts == whole.routed_experts[start:]).all()
+    for bad in (-1, len(prompt) + 1, True):
+        with pytest.raises(ValueError, match=r"routed_experts_start_len must be an int in \[0, 5\]"):
+            await engine.generate(prompt, GREEDY, return_routed_experts=True, routed_experts_start_len=bad)
+    await engine.aclose()
+
+
 async def test_abort_stop_tokens_and_bad_input() -> None:
     model = tiny_moe()
     engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_context=64))

@@ -1,57 +1,84 @@
 """R3 routing replay in the training forward: identical log-probs at unchanged weights (both MoE families),
-a lower training–inference mismatch under a perturbed rollout router, gradients to the router, per-
-segment routes across versions, validated shapes, and a model always restored."""
+the engine's log-probs reproduced under a perturbed rollout router once every position is replayed,
+gradients to the router, per-segment routes across versions, validated shapes, and a model always
+restored."""
 
 from __future__ import annotations
 
 import copy
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from agents.engine import EmbeddedEngine, EmbeddedEngineConfig, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe, moe_info
+from agents.rollout import append_generation
 from agents.routing import RoutedExperts
 from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Status, Trajectory
+from agents.trajectory import Origin, Status, Trajectory
+from trainer.batch import collate, forward_logprobs
 from trainer.learner import Learner, LearnerConfig
 from trainer.replay import routing_replay
 
 SAMPLING = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3)
 PROMPTS = [[5, 17, 40, 41, 9], [7, 8, 100, 101, 102, 103, 12], [30, 31, 32]]
+TOOL = [60, 61, 62, 63]
+"""A tool response between the two turns of `rollouts`."""
 
 
-def model_of(family: str = "qwen3_moe", seed: int = 0) -> torch.nn.Module:
-    return build_tiny_moe(TinyMoEConfig(family=family, num_layers=2, seed=seed), tiny_tokenizer())  # type: ignore[arg-type]
+def model_of(family: str = "qwen3_moe", seed: int = 0, top_k: int = 2) -> torch.nn.Module:
+    config = TinyMoEConfig(family=family, num_layers=2, seed=seed, top_k=top_k)  # type: ignore[arg-type]
+    return build_tiny_moe(config, tiny_tokenizer())
 
 
-async def rollouts(engine_model: torch.nn.Module, prompts: list[list[int]] = PROMPTS) -> list[Trajectory]:
-    """One recorded generation per prompt, as the rollout driver stores it (routes included)."""
+def perturb_routers(model: torch.nn.Module, noise: float = 0.5) -> None:
+    """Routers that differ from the trainer's, like kernels or precision that flip top-k choices."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for gate in moe_info(model).gates:
+            gate.weight.add_(torch.randn(gate.weight.shape, generator=generator) * noise * gate.weight.std())
+
+
+async def rollouts(
+    engine_model: torch.nn.Module, prompts: list[list[int]] = PROMPTS, *, turns: int = 2
+) -> list[Trajectory]:
+    """One recorded episode per prompt, as the rollout driver records it: `turns` generations with the
+    tool response `TOOL` between them, each call asking for the routes the record lacks."""
     engine = EmbeddedEngine(engine_model, config=EmbeddedEngineConfig(seed=1))
     info = moe_info(engine_model)
     trajectories = []
     for index, prompt in enumerate(prompts):
-        started = time.time()
-        out = await engine.generate(prompt, SAMPLING, return_routed_experts=True)
-        assert out.routed_experts is not None
         trajectory = Trajectory.start(f"t{index}", "g", "task", prompt)
-        rows = out.routed_experts[len(out.routed_experts) - len(out.tokens) :]
-        trajectory.append_model(
-            out.tokens,
-            out.logprobs,
-            version=0,
-            started_at=started,
-            ended_at=time.time(),
-            finish_reason=out.finish_reason.value,
-            routed_experts=RoutedExperts.from_array(rows, num_experts=info.num_experts),
-        )
+        for turn in range(turns):
+            if turn:
+                trajectory.append_tool(TOOL)
+            started = time.time()
+            out = await engine.generate(
+                list(trajectory.tokens),
+                SAMPLING,
+                return_routed_experts=True,
+                routed_experts_start_len=trajectory.routed_length,
+            )
+            append_generation(
+                trajectory, out, num_experts=info.num_experts, started_at=started, ended_at=time.time()
+            )
         trajectory.finish(
             Status.COMPLETED, reason="", reward=1.0, completed_version=0, completed_at=time.time()
         )
         trajectories.append(trajectory)
     await engine.aclose()
     return trajectories
+
+
+def model_rows_only(trajectory: Trajectory) -> Trajectory:
+    """The record as format 1 kept it: routes of model tokens only."""
+    data = trajectory.to_json()
+    for segment in data["segments"]:
+        if segment["origin"] != Origin.MODEL.value:
+            segment.pop("routed_experts", None)
+    return Trajectory.from_json(data)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -63,21 +90,72 @@ async def test_replay_at_unchanged_weights_reproduces_the_engine_logprobs(family
     mask = batch.loss_mask
     torch.testing.assert_close(replayed[mask], batch.behaviour[mask], atol=2e-5, rtol=0)
     assert disagreement == 0.0  # same weights: the live router agrees with the engine everywhere
-    assert batch.replay is not None and int(batch.replay.sum()) == int(mask.sum())
+    # Every input up to a row's last token replays the engine's route: prompt, tool and model ones.
+    assert batch.replay is not None and batch.replay_coverage() == 1.0
+    assert int(batch.replay.sum()) == sum(len(t.tokens) - 1 for t in trajectories)
+
+
+async def test_replaying_every_position_reproduces_a_perturbed_engine_to_float_precision() -> None:
+    """With one expert per token the gate weight is 1 whatever the logits, so replaying the engine's
+    choice at every position reproduces its forward exactly, while its router's choices differ from
+    the trainer's. Replaying only the model tokens' positions (format-1 records) leaves the prompt and
+    the tool response on the trainer's router, and their keys and values move every later log-prob."""
+    trainer_model = model_of(top_k=1)
+    engine_model = copy.deepcopy(trainer_model)
+    perturb_routers(engine_model)
+    trajectories = await rollouts(engine_model)
+    assert all(s.routed_experts is not None for t in trajectories for s in t.segments)
+
+    def gap(records: list[Trajectory], replay: bool) -> torch.Tensor:
+        batch = collate(records, 0, layers=2, top_k=1)
+        with torch.no_grad():
+            logprobs, _, _ = forward_logprobs(trainer_model, batch, temperature=1.0, replay_routes=replay)
+        return (logprobs - batch.behaviour)[batch.loss_mask].abs()
+
+    live, model_only, every = (
+        gap(trajectories, False),
+        gap([model_rows_only(t) for t in trajectories], True),
+        gap(trajectories, True),
+    )
+    assert float(live.mean()) > 1e-2  # the engine's routers really differ from the trainer's
+    assert float(model_only.mean()) > 1e-3  # and so do their choices at prompt and tool positions
+    assert float(every.max()) < 2e-5  # the engine's log-probs, to float precision
+
+
+def test_replay_coverage_counts_every_input_a_trained_token_depends_on() -> None:
+    """Prompt [1, 2, 3] | model [4, 5] | tool [6] and prompt [7, 8] | model [9]: the trained targets
+    depend on inputs 0..3 and 0..1 (6 in all). A whole-sequence record replays all 6; a format-1 one
+    only the inputs that produced model tokens (2, 3 and 1: 3 of 6); none recorded, 0."""
+    rows = RoutedExperts.from_array(np.tile([[[0, 1]]], (4, 1, 1)), 8)
+
+    def record(name: str, prompt: list[int], model: list[int], tool: list[int], kept: str) -> Trajectory:
+        t = Trajectory.start(name, "g", "task", prompt)
+        if kept == "all":
+            t.attach_routes(rows[: len(prompt) - 1], 0)
+        timing = {"started_at": 0.0, "ended_at": 0.0, "finish_reason": "stop"}
+        experts = rows[: len(model)] if kept != "none" else None
+        t.append_model(model, [-1.0] * len(model), version=0, routed_experts=experts, **timing)  # type: ignore[arg-type]
+        if tool:
+            t.append_tool(tool)
+        t.finish(Status.COMPLETED, reason="", reward=0.0, completed_version=0, completed_at=0.0)
+        return t
+
+    def coverage(kept: str) -> float:
+        records = [record("a", [1, 2, 3], [4, 5], [6], kept), record("b", [7, 8], [9], [], kept)]
+        return collate(records, 0, layers=1, top_k=2).replay_coverage()
+
+    assert (coverage("all"), coverage("model"), coverage("none")) == (1.0, 0.5, 0.0)
 
 
 async def test_replay_lowers_the_mismatch_of_a_perturbed_rollout_router() -> None:
     trainer_model = model_of()
     engine_model = copy.deepcopy(trainer_model)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # the engine's routers differ, like kernels or precision that flip top-k choices
-        for gate in moe_info(engine_model).gates:
-            gate.weight.add_(torch.randn(gate.weight.shape, generator=generator) * 0.5 * gate.weight.std())
+    perturb_routers(engine_model)
     trajectories = await rollouts(engine_model, PROMPTS * 2)
     learner = Learner(trainer_model, LearnerConfig(temperature=1.0))
     mismatch = learner.mismatch(trajectories)
     assert mismatch["routing_disagreement"] > 0.02
-    assert mismatch["mismatch_r3"] < 0.8 * mismatch["mismatch_live"]
+    assert mismatch["mismatch_r3"] < 0.5 * mismatch["mismatch_live"]
 
 
 async def test_gradients_reach_the_router_through_replayed_routes() -> None:
@@ -94,39 +172,36 @@ async def test_gradients_reach_the_router_through_replayed_routes() -> None:
 
 
 async def test_each_segment_replays_the_routes_it_was_generated_with() -> None:
-    """A trajectory spanning two versions: the routes tensor holds each token's own recorded row, at the
-    input position that produced it."""
+    """A trajectory spanning two versions: the first call's rows (its prompt's and its tokens') and the
+    second call's (its new tokens' only) sit at the input positions that produced each token."""
     model = model_of()
     engine = EmbeddedEngine(copy.deepcopy(model), config=EmbeddedEngineConfig(seed=1))
     prompt = PROMPTS[0]
-    first = await engine.generate(prompt, SAMPLING, return_routed_experts=True)
-    second = await engine.generate(prompt + list(first.tokens), SAMPLING, return_routed_experts=True)
-    await engine.aclose()
-    assert first.routed_experts is not None and second.routed_experts is not None
     trajectory = Trajectory.start("t", "g", "task", prompt)
-    for version, out in enumerate((first, second)):
-        assert out.routed_experts is not None
-        trajectory.append_model(
-            out.tokens,
-            out.logprobs,
-            version=version,
-            started_at=0.0,
-            ended_at=0.0,
-            finish_reason="stop",
-            routed_experts=RoutedExperts.from_array(out.routed_experts[-len(out.tokens) :], num_experts=8),
+    outs = []
+    for version in (0, 1):
+        start = trajectory.routed_length
+        out = await engine.generate(
+            list(trajectory.tokens), SAMPLING, return_routed_experts=True, routed_experts_start_len=start
         )
+        assert out.routed_experts is not None and out.routed_experts_start == start
+        out = type(out)(out.tokens, out.logprobs, (version,) * len(out.tokens), out.finish_reason,
+                        out.routed_experts, out.routed_experts_start)  # fmt: skip
+        append_generation(trajectory, out, num_experts=8, started_at=0.0, ended_at=0.0)
+        outs.append(out)
+    await engine.aclose()
+    first, second = outs
+    assert first.routed_experts is not None and second.routed_experts is not None
+    assert second.routed_experts_start == len(prompt) + len(first.tokens) - 1  # only the new positions
+    assert len(second.routed_experts) == len(second.tokens)
     trajectory.finish(Status.COMPLETED, reason="", reward=0.0, completed_version=1, completed_at=0.0)
+    assert [s.version for s in trajectory.segments] == [None, 0, 1]
     batch = Learner(model).collate([trajectory])
     assert batch.routes is not None and batch.replay is not None
-    start = len(prompt)
-    for out in (first, second):
-        assert out.routed_experts is not None
-        rows = torch.from_numpy(out.routed_experts[-len(out.tokens) :].astype("int64"))
-        # The row of token p sits at input position p - 1.
-        assert torch.equal(batch.routes[0, start - 1 : start - 1 + len(out.tokens)], rows)
-        start += len(out.tokens)
-    assert int(batch.replay.sum()) == len(first.tokens) + len(second.tokens)
-    assert not batch.replay[0, : len(prompt) - 1].any()  # prompt inputs keep the live router
+    recorded = np.concatenate([first.routed_experts, second.routed_experts]).astype("int64")
+    # The row of token p sits at input position p - 1: inputs 0 .. T - 2 replay, the last one has none.
+    assert torch.equal(batch.routes[0, : len(recorded)], torch.from_numpy(recorded))
+    assert int(batch.replay.sum()) == len(recorded) == len(trajectory.tokens) - 1
 
 
 def test_replay_validates_its_data_and_always_restores_the_model() -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from scripted import ScriptedEngineBase
@@ -118,8 +120,11 @@ async def test_weight_update_during_rollouts_changes_version_tags_once() -> None
         switch = int((versions == 1).argmax())
         assert (versions[:switch] == 0).all() and (versions[switch:] == 1).all()
         assert trajectory.generation_staleness() > 0
-        _, routes = trajectory.routed_experts()  # type: ignore[misc]
-        assert routes.indices.shape == (trajectory.num_model_tokens, model.config.num_hidden_layers, 2)
+        # Routes cover every token but the first up to the last generated one: prompt, tool and model.
+        positions, routes = trajectory.routed_experts()  # type: ignore[misc]
+        last = int(np.flatnonzero(trajectory.loss_mask)[-1])
+        np.testing.assert_array_equal(positions, np.arange(1, last + 1))
+        assert routes.indices.shape == (last, model.config.num_hidden_layers, 2)
 
 
 async def test_64_concurrent_codemath_episodes_with_the_tiny_model() -> None:
@@ -139,6 +144,76 @@ async def test_64_concurrent_codemath_episodes_with_the_tiny_model() -> None:
     for trajectory in trajectories:
         assert trajectory.status in (Status.COMPLETED, Status.TRUNCATED)
         assert json.loads(json.dumps(trajectory.to_json())) == trajectory.to_json()
+
+
+def route_of(position: int, token: int) -> list[list[int]]:
+    """A made-up routing `[layers=2, top_k=2]` that names the input position and token it came from."""
+    first = (3 * position + token) % 8
+    return [[first, (first + 1) % 8], [(first + 2) % 8, (first + 5) % 8]]
+
+
+class RoutingScriptedEngine(ScriptedEngine):
+    """The scripted turns with the routes an MoE engine sends: `route_of` each input position from
+    `routed_experts_start_len` up to the last one whose next token was computed."""
+
+    def __init__(self, tokenizer: object, turns: Sequence[str], abort_first: bool = False) -> None:
+        super().__init__(tokenizer, turns, abort_first)
+        self.starts: list[int] = []
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, request_id: str | None = None,
+        return_routed_experts: bool = False, routed_experts_start_len: int = 0, session: str | None = None,
+    ) -> Generation:  # fmt: skip
+        out = await super().generate(input_ids, sampling, return_routed_experts=return_routed_experts)
+        self.starts.append(routed_experts_start_len)
+        return _with_routes(out, [*input_ids, *out.tokens], routed_experts_start_len)
+
+
+class WholeStreamScriptedEngine(ScriptedEngine):
+    """An engine without `routed_experts_start_len` (the Ray router's signature): every row, each call."""
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, request_id: str | None = None,
+        return_routed_experts: bool = False, session: str | None = None,
+    ) -> Generation:  # fmt: skip
+        out = await super().generate(input_ids, sampling, return_routed_experts=return_routed_experts)
+        return _with_routes(out, [*input_ids, *out.tokens], 0)
+
+
+def _with_routes(out: Generation, sequence: list[int], start: int) -> Generation:
+    rows = [route_of(p, sequence[p]) for p in range(start, len(sequence) - 1)]
+    routes = np.array(rows, dtype=np.int32).reshape(-1, 2, 2)
+    return replace(out, routed_experts=routes, routed_experts_start=start)
+
+
+@pytest.mark.parametrize("engine_class", [RoutingScriptedEngine, WholeStreamScriptedEngine])
+async def test_routes_cover_the_whole_sequence_and_each_call_asks_for_new_positions_only(
+    tokenizer: object, engine_class: type[ScriptedEngine]
+) -> None:
+    """Prompt, interrupted turn, its resume, tool response, last turn: every token but the first has
+    the row of the forward that produced it (prompt and tool rows from the next call's prefill), and
+    each call asks only for the rows of positions the record does not hold yet."""
+    engine = engine_class(tokenizer, [CALL, "The product is \\boxed{5535}.<|im_end|>"], abort_first=True)
+    driver = RolloutDriver(
+        engine, tokenizer, lambda: CodeMathEnv(tasks=[TASK]), RolloutConfig(group_size=1), num_experts=8
+    )
+    (trajectory,) = await driver.rollout_group(TASK)
+    assert trajectory.status is Status.COMPLETED
+    origins = [s.origin.value for s in trajectory.segments]
+    assert origins == ["prompt", "model", "model", "tool", "model"]
+    assert all(s.routed_experts is not None for s in trajectory.segments)
+    tokens = list(trajectory.tokens)
+    positions, routes = trajectory.routed_experts()  # type: ignore[misc]
+    np.testing.assert_array_equal(positions, np.arange(1, len(tokens)))
+    expected = np.array([route_of(t - 1, tokens[t - 1]) for t in range(1, len(tokens))])
+    np.testing.assert_array_equal(routes.indices, expected)
+    if isinstance(engine, RoutingScriptedEngine):
+        # Call k asks from the last input position call k - 1 computed (its prompt + its tokens - 1):
+        # the resume for its new tokens only, the last turn for the tool response's and its own.
+        _, resumed, after_tool = engine.calls
+        turn_rest, tool = trajectory.segments[2].tokens, trajectory.segments[3].tokens
+        assert after_tool == [*resumed, *turn_rest, *tool]
+        assert engine.starts == [0, len(resumed) - 1, len(resumed) + len(turn_rest) - 1]
 
 
 class FailingEngine(ScriptedEngine):

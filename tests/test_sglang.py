@@ -6,6 +6,8 @@ talks to a real SGLang server (marked gpu; deselected by default)."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import sys
 import threading
@@ -110,6 +112,50 @@ async def test_greedy_logprobs_and_routes_equal_the_embedded_engine(standin: Sta
     assert found.routed_experts is not None and expected[1].routed_experts is not None
     assert np.array_equal(found.routed_experts, expected[1].routed_experts)
     await discovering.aclose()
+
+
+async def test_a_resumed_segment_asks_for_the_routes_of_new_positions_only(standin: StandIn) -> None:
+    """The client sends SGLang's `routed_experts_start_len` when resuming, and the stand-in answers
+    the rows from there on only: the two calls' rows together are one uninterrupted call's."""
+    prompt = [3, 4, 5, 6]
+    whole = await reference(tiny_moe(), prompt, GREEDY)
+    bodies: list[dict[str, object]] = []
+
+    async def record(request: httpx.Request) -> None:
+        if request.url.path == "/generate":
+            bodies.append(json.loads(request.content))
+
+    client = standin.client(**LAYOUT)
+    client._client = httpx.AsyncClient(event_hooks={"request": [record]})
+    first = await client.generate(
+        prompt, SamplingParams(max_new_tokens=4, temperature=0), return_routed_experts=True
+    )
+    held = len(prompt) + len(first.tokens) - 1  # the rows of inputs 0 .. held - 1 are in hand
+    rest = await client.generate(
+        prompt + list(first.tokens),
+        SamplingParams(max_new_tokens=6, temperature=0),
+        return_routed_experts=True,
+        routed_experts_start_len=held,
+    )
+    assert "routed_experts_start_len" not in bodies[0] and bodies[1]["routed_experts_start_len"] == held
+    assert first.tokens + rest.tokens == whole.tokens
+    assert first.routed_experts is not None and rest.routed_experts is not None
+    assert rest.routed_experts_start == held and rest.routed_experts.shape == (len(rest.tokens), 2, 2)
+    assert whole.routed_experts is not None
+    assert np.array_equal(np.concatenate([first.routed_experts, rest.routed_experts]), whole.routed_experts)
+    with pytest.raises(ValueError, match=r"routed_experts_start_len must be an int in \[0, 4\]"):
+        await client.generate(prompt, GREEDY, return_routed_experts=True, routed_experts_start_len=5)
+    assert len(bodies) == 2  # refused before any request
+    await client.aclose()
+    async with httpx.AsyncClient(base_url=standin.url) as http:  # the server's own bounds, as SGLang's
+        body: dict[str, object] = {"input_ids": prompt, "return_routed_experts": True}
+        body["sampling_params"] = {"max_new_tokens": 3, "temperature": 0}
+        at_end = (await http.post("/generate", json={**body, "routed_experts_start_len": 4})).json()
+        raw = base64.b64decode(at_end["meta_info"]["routed_experts"])
+        assert len(raw) == (len(at_end["output_ids"]) - 1) * 2 * 2 * 4  # prompt + 3 - 1 - 4 rows
+        beyond = await http.post("/generate", json={**body, "routed_experts_start_len": 5})
+        assert beyond.status_code == 400
+        assert "is higher than the number of input tokens" in beyond.json()["error"]["message"]
 
 
 async def test_abort_in_flight_returns_partial_tokens_and_routes(standin: StandIn) -> None:

@@ -124,6 +124,77 @@ def test_worked_example_routed_experts() -> None:
     assert bare.routed_experts() is None
 
 
+def test_routes_of_prompt_and_tool_tokens_are_attached_from_the_next_prefill() -> None:
+    """The worked example recorded as an engine call sequence would: call 1's prefill routes the prompt
+    (tokens 1-2; token 0 has no producing forward), call 2 (the resume) has nothing new before its
+    token, call 3's prefill routes the tool response (tokens 5-6)."""
+    t = Trajectory.start("traj-0", "group-0", "task-0", [11, 12, 13])
+    assert t.routed_length == 0
+    assert t.attach_routes(routes(2, 10), 0) == 1  # rows of input positions 0, 1 -> tokens 1, 2
+    assert t.segments[0].routed_experts == routes(2, 10) and t.routed_length == 2
+    model = {"started_at": 1.0, "ended_at": 2.0}
+    t.append_model(
+        [21, 22], [-0.5, -0.25], version=5, finish_reason="tool_call", routed_experts=routes(2, 0), **model
+    )
+    t.append_tool([31, 32])
+    assert t.routed_length == 4  # tokens 1..4 routed; the tool's rows come with the next call
+    with pytest.raises(ValueError, match=r"cover only part of the tool segment of tokens \[5, 7\)"):
+        t.attach_routes(routes(1, 11), 4)
+    with pytest.raises(ValueError, match="run past"):
+        t.attach_routes(routes(3, 11), 4)
+    assert t.attach_routes(routes(2, 11), 4) == 1 and t.routed_length == 6
+    assert t.segments[2].routed_experts == routes(2, 11)
+    t.append_model([41], [-1.0], version=6, finish_reason="abort", routed_experts=routes(1, 1), **model)
+    assert t.attach_routes(routes(0, 12), 7) == 0  # a resume: no new positions before its tokens
+    t.append_model(
+        [42, 43], [-0.1, -0.2], version=7, finish_reason="stop", routed_experts=routes(2, 2), **model
+    )
+    assert t.routed_length == 9
+    recorded = t.routed_experts()
+    assert recorded is not None
+    positions, rows = recorded
+    np.testing.assert_array_equal(positions, np.arange(1, 10))  # every token but the first
+    assert rows == RoutedExperts.concat(
+        [routes(2, 10), routes(2, 0), routes(2, 11), routes(1, 1), routes(2, 2)]
+    )
+    assert t.attach_routes(routes(9, 13), 0) == 0  # routed segments keep the rows they have
+    assert t.routed_experts()[1] == rows  # type: ignore[index]
+    t.finish(Status.COMPLETED, reason="", reward=1.0, completed_version=7, completed_at=5.0)
+    with pytest.raises(RuntimeError, match="already completed"):
+        t.attach_routes(routes(1, 0), 0)
+    assert Trajectory.from_json(json.loads(json.dumps(t.to_json()))) == t
+
+
+def test_a_one_token_prompt_has_no_rows_and_a_format_1_record_fills_its_gaps() -> None:
+    one = Trajectory.start("t", "g", "task", [7])
+    assert one.attach_routes(routes(0, 0), 0) == 1 and one.segments[0].routed_experts == routes(0, 0)
+    assert one.routed_length == 0
+    # A format-1 record (model rows only) resumed: the next call asks for every position and the
+    # prompt and tool segments get theirs, while the model segments keep their recorded rows.
+    old = worked_example(finish=False)
+    assert old.routed_length == 0
+    full = routes(9, 20)
+    assert old.attach_routes(full, 0) == 2
+    assert old.segments[0].routed_experts == full[0:2] and old.segments[2].routed_experts == full[4:6]
+    assert old.segments[1].routed_experts == routes(2, 0)
+    assert old.routed_length == 9
+
+
+def test_format_1_records_still_load_and_unknown_formats_fail_clearly() -> None:
+    t = worked_example()
+    data = t.to_json()
+    assert data["format"] == 2
+    old = {k: v for k, v in data.items() if k != "format"}  # what pacerl wrote before format 2
+    assert Trajectory.from_json(old) == t
+    assert Trajectory.from_json({**old, "format": 1}) == t
+    with pytest.raises(ValueError, match="format 3 is not one this pacerl reads"):
+        Trajectory.from_json({**data, "format": 3})
+    routed = Trajectory.start("t", "g", "task", [1, 2])
+    routed.attach_routes(routes(1, 0), 0)
+    with pytest.raises(ValueError, match="format-1 trajectory record has routes on model segments only"):
+        Trajectory.from_json({**routed.to_json(), "format": 1})
+
+
 def test_routed_experts_compaction_and_views() -> None:
     assert [index_dtype(n) for n in (1, 256, 257, 65_536, 65_537)] == [np.uint8, np.uint8] + [
         np.uint16
@@ -221,6 +292,11 @@ MODEL: dict[str, Any] = {"version": 1, "started_at": 1.0, "ended_at": 2.0, "fini
             },
             "1 rows",
         ),
+        (
+            {"origin": Origin.PROMPT, "tokens": (1, 2), "routed_experts": routes(2, 0)},
+            "prompt segment of 2 tokens",
+        ),
+        ({"origin": Origin.TOOL, "tokens": (1, 2), "routed_experts": routes(1, 0)}, "with 2 rows"),
         ({"origin": Origin.PROMPT, "tokens": (1,), "logprobs": (-0.1,)}, "prompt segment has no logprobs"),
         ({"origin": Origin.TOOL, "tokens": (1,), "version": 3}, "tool segment has no version"),
         ({"origin": Origin.TOOL, "tokens": ()}, "non-empty"),

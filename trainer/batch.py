@@ -11,7 +11,11 @@ Layout (one row per trajectory, right-padded so position ids match generation):
     replay      [B, T]      True where `routes` holds a recorded row
 
 The shift follows the trajectory record's convention (`Trajectory.routed_experts`): the route of token t
-was computed with input t − 1, which is exactly where the training forward replays it.
+was computed with input t − 1, which is exactly where the training forward replays it. R3 replays the
+whole sequence (ALGORITHMS.md §8b, as slime and Megatron do): a record holds the rows of its prompt and
+tool tokens too, so every input a model token depends on replays the engine's experts. Inputs without
+a row keep the live router: padding, a row's last input (its prediction is not scored), a trailing
+tool response no engine call followed, and everything but the model tokens of a format-1 record.
 """
 
 from __future__ import annotations
@@ -46,6 +50,19 @@ class TokenBatch:
     def num_tokens(self) -> int:
         """Trainable (model) tokens."""
         return int(self.loss_mask.sum())
+
+    def replay_coverage(self) -> float:
+        """Share of the inputs that trained tokens depend on whose routing is replayed: in each row,
+        inputs 0..t of its last trained target t (prompt, tool and model positions alike); rows without
+        trained tokens count in neither. 0 without routes; 1 when every such input has a recorded row."""
+        trained = self.loss_mask.any(-1)
+        if self.replay is None or not bool(trained.any()):
+            return 0.0
+        width = self.loss_mask.shape[1]
+        last = width - 1 - self.loss_mask.flip(-1).int().argmax(-1)  # last trained target per row
+        context = torch.arange(width, device=last.device)[None, :] <= last[:, None]
+        context &= trained[:, None]
+        return float((self.replay[:, :-1] & context).sum()) / float(context.sum())
 
 
 def collate(

@@ -8,9 +8,12 @@ still reach the router:
 Qwen3-MoE without `norm_topk_prob` keeps the un-renormalised probabilities, exactly as its router does.
 
 The replay is injected by `routing_replay(...)`, a context manager that hooks the routers of one model
-instance and always removes its hooks; nothing global is patched. Positions without a recorded route
-(prompt and tool tokens) keep the live router's choice. It also measures how often the live router
-disagrees with the recorded one (the training–inference routing mismatch R3 removes).
+instance and always removes its hooks; nothing global is patched. Every position with a recorded route
+replays it: prompt and tool positions as well as generated ones, since the keys and values of every
+earlier position shape a generated token's log-prob (slime's and Megatron's router replay cover the
+whole sequence too). Positions without one (padding, a row's last input, format-1 records' prompt and
+tool tokens) keep the live router's choice. It also measures how often the live router disagrees with
+the recorded one (the training–inference routing mismatch R3 removes).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Inference engines behind one protocol: the embedded torch engine and the SGLang HTTP client."""
 
 from agents.engine.embedded import ContextOverflowError, EmbeddedEngine, EmbeddedEngineConfig
-from agents.engine.protocol import Engine, FinishReason, Generation, SamplingParams
+from agents.engine.protocol import Engine, EngineWithRoutesStart, FinishReason, Generation, SamplingParams
 from agents.engine.sglang import SGLangEngine, SGLangOptions, SGLangUnavailable, launch_command
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "EmbeddedEngine",
     "EmbeddedEngineConfig",
     "Engine",
+    "EngineWithRoutesStart",
     "FinishReason",
     "Generation",
     "SGLangEngine",

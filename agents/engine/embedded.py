@@ -62,13 +62,15 @@ class _Request:
     prompt: list[int]
     sampling: SamplingParams
     want_routes: bool
+    routes_start: int
     future: asyncio.Future[Generation]
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     routes: list[np.ndarray] = field(default_factory=list)
-    """Per fed position, `[layers, top_k]` (prompt positions first, then every decoded input)."""
+    """Per fed position, `[layers, top_k]` (prompt positions first, then every decoded input); the
+    answer keeps those from `routes_start` on."""
     aborted: bool = False
     finish: FinishReason | None = None
 
@@ -172,16 +174,25 @@ class EmbeddedEngine:
         *,
         request_id: str | None = None,
         return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
         session: str | None = None,
     ) -> Generation:
-        """Generate from `input_ids`; returns when the request finishes or is aborted (`session` is
-        for routers: one engine has nothing to route)."""
+        """Generate from `input_ids`; returns when the request finishes or is aborted. Routes, when
+        asked for, are those of every input position from `routed_experts_start_len` on (prompt
+        positions from the prefill, then each decoded input), as SGLang returns them. `session` is
+        for routers: one engine has nothing to route."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         self._bind()
         prompt = [int(t) for t in input_ids]
         if not prompt:
             raise ValueError("input_ids is empty")
+        start = routed_experts_start_len
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(prompt):
+            raise ValueError(
+                f"routed_experts_start_len must be an int in [0, {len(prompt)}] (the prompt's length), "
+                f"got {start!r}"
+            )
         if len(prompt) >= self.max_context:
             raise ContextOverflowError(
                 f"the prompt has {len(prompt)} tokens; the context holds {self.max_context}"
@@ -195,6 +206,7 @@ class EmbeddedEngine:
             prompt,
             sampling,
             return_routed_experts,
+            start,
             loop.create_future(),
             generator,
         )
@@ -430,13 +442,19 @@ class EmbeddedEngine:
             return
         routes = None
         if request.want_routes and request.routes:
-            routes = np.stack(request.routes).astype(np.int32)
+            # Every input whose next token was computed; a prefill whose token an abort discarded
+            # leaves one row more, which is not part of the answer (SGLang's layout).
+            end = len(request.prompt) + len(request.tokens) - 1
+            kept = request.routes[request.routes_start : end]
+            shape = request.routes[0].shape
+            routes = np.stack(kept).astype(np.int32) if kept else np.zeros((0, *shape), dtype=np.int32)
         generation = Generation(
             tuple(request.tokens),
             tuple(request.logprobs),
             tuple(request.versions),
             request.finish or FinishReason.ABORT,
             routes,
+            request.routes_start,
         )
         request.future.get_loop().call_soon_threadsafe(_set_result, request.future, generation)
 

@@ -79,12 +79,20 @@ class Generation:
     """Policy version that produced each token."""
     finish_reason: FinishReason
     routed_experts: np.ndarray | None = field(default=None, compare=False)
-    """Experts routed to, `[len(prompt) + len(tokens) - 1, layers, top_k]` (SGLang's layout: every
-    position whose next token was computed), when asked for and the model is a MoE."""
+    """Experts routed to, when asked for and the model is a MoE: `[layers, top_k]` per input position
+    from `routed_experts_start` up to the last one whose next token was computed, i.e. rows
+    `[routed_experts_start, len(prompt) + len(tokens) - 1)` of SGLang's layout (row p = the forward
+    whose input was position p; see `agents.routing`)."""
+    routed_experts_start: int = 0
+    """The input position of the first row of `routed_experts` (the `routed_experts_start_len` asked
+    for; 0: the whole sequence)."""
 
     def __post_init__(self) -> None:
         if not len(self.tokens) == len(self.logprobs) == len(self.versions):
             raise ValueError("tokens, logprobs and versions must have one entry per generated token")
+        start = self.routed_experts_start
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"routed_experts_start must be an int >= 0, got {start!r}")
 
 
 class Engine(Protocol):
@@ -117,3 +125,25 @@ class Engine(Protocol):
     async def health(self) -> bool: ...
 
     async def aclose(self) -> None: ...
+
+
+class EngineWithRoutesStart(Engine, Protocol):
+    """An engine that answers the routes of new positions only: SGLang's `routed_experts_start_len`
+    (the embedded engine and the SGLang client are; a proxy that does not forward the argument is a
+    plain `Engine`, whose answers hold every row of the stream)."""
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
+        session: str | None = None,
+    ) -> Generation:
+        """As `Engine.generate`; with `return_routed_experts`, the routes of input positions
+        `routed_experts_start_len` (in `[0, len(input_ids)]`) up to the last computed one, so a caller
+        that holds the rows of the first positions (an earlier turn, an interrupted generation being
+        resumed) asks only for the new ones (`Generation.routed_experts_start` says where they start)."""
+        ...

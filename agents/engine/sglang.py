@@ -35,6 +35,16 @@ from these files of it:
   `(prompt + completion − 1, num_hidden_layers, num_experts_per_tok)` (rows of positions whose next
   token was computed), captured only with `--enable-return-routed-experts`, sent as base64 of the
   raw little-endian bytes.
+- `routed_experts_start_len` (`GenerateReqInput` in `io_struct.py`: "Absolute start position for
+  returned routings; response covers `[routed_experts_start_len, seqlen - 1)`. Must be in
+  [0, prompt_tokens]. 0 = full sequence."): `SchedulerBatchResultProcessor._maybe_collect_routed_experts`
+  in `batch_result_processor.py` passes it to `BaseTopkCapturer.get_topk`
+  (`python/sglang/srt/state_capturer/base.py`), which returns the rows of positions
+  `[start_len, seqlen - 1)` read from the host buffer by KV slot, so a prefix served from the radix
+  cache keeps the rows of the forward that computed it; the scheduler aborts a request whose start
+  exceeds the prompt ("... is higher than the number of input tokens"). The server's own test of the
+  field: `test/registered/rl/test_return_routed_experts.py`, `TestRoutedExpertsStartLen` (the
+  cropped rows are the tail of the full ones; `start_len == prompt_tokens` passes).
 - `python/sglang/srt/utils/weight_versions.py`: `meta_info["weight_versions"]` spans
   `{"version", "start", "end"}` over the output tokens when the weights changed mid-request.
 - `python/sglang/srt/arg_groups/fields/exec_.py` and `.../serving.py`: `--enable-return-routed-experts`,
@@ -44,6 +54,12 @@ Versions. A token's version is the server's `weight_version` (its spans when pre
 is an integer, which it always is for a server launched by `launch_command` (`--weight-version`) and
 updated by this client (`weight_version` is sent with every update); otherwise it is this client's
 version when the request was sent. Requests wait while this client updates weights, so both agree.
+
+Routes of new positions only. A caller that holds the rows of the first positions of its sequence
+(an earlier turn, or a generation interrupted by a weight update and now resumed) passes their count
+as `routed_experts_start_len`; the client sends it as SGLang's field of that name, and the answer's
+rows start there (`Generation.routed_experts_start`), instead of repeating the whole prompt's rows on
+every turn.
 
 Weight updates go through disk: a state_dict is written as safetensors (plus the base model's config
 files) into `SGLangOptions.weights_dir`, then generation is paused with mode "abort" (or, on a server
@@ -217,13 +233,22 @@ class SGLangEngine:
         *,
         request_id: str | None = None,
         return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
         session: str | None = None,
     ) -> Generation:
         """Generate from `input_ids` on the server. An abort (by `abort` or a weight update) returns
-        the tokens generated so far with `FinishReason.ABORT`. `session` is for routers over several
-        servers (one server's radix cache finds the shared prefix by itself)."""
+        the tokens generated so far with `FinishReason.ABORT`. With `return_routed_experts`, the
+        routes of input positions `routed_experts_start_len` (in `[0, len(input_ids)]`) onward (see
+        the module docstring). `session` is for routers over several servers (one server's radix
+        cache finds the shared prefix by itself)."""
         self._check_open()
         prompt = _prompt(input_ids)
+        start = routed_experts_start_len
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(prompt):
+            raise ValueError(
+                f"routed_experts_start_len must be an int in [0, {len(prompt)}] (the prompt's length), "
+                f"got {start!r}"
+            )
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -236,6 +261,8 @@ class SGLangEngine:
             "return_routed_experts": bool(return_routed_experts),
             "stream": False,
         }
+        if return_routed_experts and start:
+            body["routed_experts_start_len"] = start
         await self._no_update.wait()
         sent_version = self._version
         response = await self._request(
@@ -247,7 +274,8 @@ class SGLangEngine:
                 raise ContextOverflowError(message)
             raise self._refused("/generate", response)
         answer = _json(response, self._base + "/generate")
-        return await self._generation(answer, len(prompt), sent_version, return_routed_experts)
+        routes_from = start if return_routed_experts else 0
+        return await self._generation(answer, len(prompt), sent_version, return_routed_experts, routes_from)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its `generate` returns what it had with `FinishReason.ABORT`.
@@ -431,7 +459,7 @@ class SGLangEngine:
         return params
 
     async def _generation(
-        self, answer: Any, prompt_len: int, sent_version: int, want_routes: bool
+        self, answer: Any, prompt_len: int, sent_version: int, want_routes: bool, routes_start: int
     ) -> Generation:
         where = self._base + "/generate"
         if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
@@ -462,10 +490,12 @@ class SGLangEngine:
         versions = _token_versions(meta, len(tokens), sent_version, where)
         routes = None
         if want_routes:
-            routes = await self._routes(meta.get("routed_experts"), prompt_len + len(tokens) - 1, finish)
-        return Generation(tuple(tokens), tuple(logprobs), versions, finish, routes)
+            # SGLang clamps the start to seqlen - 1: an answer without tokens may hold no rows at all.
+            rows = max(0, prompt_len + len(tokens) - 1 - routes_start)
+            routes = await self._routes(meta.get("routed_experts"), rows, routes_start, finish)
+        return Generation(tuple(tokens), tuple(logprobs), versions, finish, routes, routes_start)
 
-    async def _routes(self, encoded: Any, rows: int, finish: FinishReason) -> np.ndarray | None:
+    async def _routes(self, encoded: Any, rows: int, start: int, finish: FinishReason) -> np.ndarray | None:
         where = self._base + "/generate"
         if encoded is None:
             if finish is FinishReason.ABORT:
@@ -484,8 +514,9 @@ class SGLangEngine:
         expected = rows * layout.num_layers * layout.top_k * 4
         if len(raw) != expected:
             raise SGLangProtocolError(
-                f"{where}: routed_experts has {len(raw)} bytes; (prompt + completion - 1 = {rows}) x "
-                f"{layout.num_layers} layers x top_k {layout.top_k} x 4 bytes = {expected}"
+                f"{where}: routed_experts has {len(raw)} bytes; (prompt + completion - 1 - "
+                f"routed_experts_start_len {start} = {rows}) x {layout.num_layers} layers x top_k "
+                f"{layout.top_k} x 4 bytes = {expected}"
             )
         shape = (rows, layout.num_layers, layout.top_k)
         routes = np.frombuffer(raw, dtype="<i4").astype(np.int32).reshape(shape)

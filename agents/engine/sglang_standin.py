@@ -25,6 +25,10 @@ github.com/sgl-project/sglang), these files of it:
   `model_path` move to the loaded path on an update; a request whose client disconnected is aborted.
 - `python/sglang/srt/managers/scheduler.py`: `abort_request` matches rids by prefix;
   `routed_experts_start_len` outside `[0, prompt_tokens]` is refused.
+- `python/sglang/srt/managers/io_struct.py` (`GenerateReqInput.routed_experts_start_len`: "response
+  covers `[routed_experts_start_len, seqlen - 1)`"), `scheduler_components/batch_result_processor.py`
+  (`_maybe_collect_routed_experts`) and `state_capturer/base.py` (`BaseTopkCapturer.get_topk`, which
+  clamps the start to `seqlen - 1`): only the rows of positions from the start on are returned.
 - `python/sglang/srt/managers/schedule_batch.py`: the finish-reason objects.
 - `python/sglang/srt/sampling/sampling_params.py`: defaults, temperature < 1e-6 is greedy, top_k -1
   (or 1 << 30) is off, and `verify()`'s messages.
@@ -222,7 +226,11 @@ class _Server:
         try:
             # No await between registering the rid and the engine queueing it: an abort always finds it.
             return await self.engine.generate(
-                job.prompt, job.sampling, request_id=job.rid, return_routed_experts=job.want_routes
+                job.prompt,
+                job.sampling,
+                request_id=job.rid,
+                return_routed_experts=job.want_routes,
+                routed_experts_start_len=job.routes_start if job.want_routes else 0,
             )
         finally:
             async with self.cond:
@@ -334,9 +342,9 @@ class _Server:
         meta.update({"reasoning_tokens": 0, "completion_tokens": len(tokens), "cached_tokens": 0})
         routes = generation.routed_experts
         if job.want_routes and self.routed_experts and routes is not None:
-            # The embedded engine also keeps the routing of a forward whose token an abort discarded.
-            rows = np.ascontiguousarray(routes[job.routes_start : len(job.prompt) + len(tokens) - 1])
-            meta["routed_experts"] = base64.b64encode(rows.astype("<i4").tobytes()).decode("ascii")
+            # The engine answers the rows of positions [routes_start, prompt + completion - 1).
+            rows = np.ascontiguousarray(routes, dtype="<i4")
+            meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
         meta["e2e_latency"] = latency
         answer: dict[str, Any] = {}
         if tokenizer is not None:  # without a tokenizer SGLang runs skip_tokenizer_init: no text
