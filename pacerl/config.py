@@ -270,6 +270,15 @@ class RunConfig:
         sampled = self.rollout.sampling.temperature
         if sampled <= 0:
             raise ValueError("rollout.sampling.temperature must be > 0 (RL learns from sampled log-probs)")
+        top_p, top_k = self.rollout.sampling.top_p, self.rollout.sampling.top_k
+        if top_p < 1 or top_k > 0:
+            # The learner scores the whole tempered softmax; a truncated draw's log-probs (the embedded
+            # engine's) or untruncated ones (SGLang's) would then not be the same distribution's.
+            raise ValueError(
+                f"rollout.sampling.top_p={top_p} and top_k={top_k} truncate the distribution the tokens are "
+                "drawn from, but the learner scores the full softmax, so the ratio π/μ would compare two "
+                "different distributions: train with top_p=1 and top_k=0 (truncated sampling is for eval)"
+            )
         if abs(self.learner.temperature - sampled) > 1e-9:
             raise ValueError(
                 f"learner.temperature ({self.learner.temperature}) must equal rollout.sampling.temperature "

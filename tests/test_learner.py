@@ -155,7 +155,7 @@ def test_routes_of_the_wrong_shape_are_a_clear_error() -> None:
     ]
     with pytest.raises(ValueError, match="2 MoE layers with top_k=2"):
         learner.train_step(groups)
-    with pytest.raises(ValueError, match="routed_experts must be RoutedExperts with 2 rows"):
+    with pytest.raises(ValueError, match="must be RoutedExperts with 2 rows"):
         make_trajectory("a/0", "a", 1.0, [20, 21], routes=wrong_layers[:1])
 
 

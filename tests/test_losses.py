@@ -34,6 +34,13 @@ def test_advantages_by_hand() -> None:
     # group 1: mean 0.5, population std 0.5 -> +-1; group 2: no variance -> 0
     assert grpo_advantages(rewards).tolist() == [[1.0, -1.0, -1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
     assert dr_grpo_advantages(rewards).tolist() == [[0.5, -0.5, -0.5, 0.5], [0.0, 0.0, 0.0, 0.0]]
+    # unbiased (verl): std sqrt((4 * 0.25) / 3) = 0.57735 -> +-0.866; a lone member has no std -> 0
+    unbiased = grpo_advantages(rewards, unbiased=True)
+    _close(unbiased, [[0.8660254, -0.8660254, -0.8660254, 0.8660254], [0.0] * 4])
+    assert grpo_advantages(torch.tensor([[3.0]]), unbiased=True).tolist() == [[0.0]]
+    assert grpo_advantages(torch.tensor([[1.0, 0.0, 0.0]]), unbiased=True)[0, 0].item() == pytest.approx(
+        (2 / 3) / math.sqrt((4 / 9 + 2 / 9) / 2)
+    )
     # centred [.5,-.5,-.5,.5,0,0,0,0]: mean 0, population std sqrt(1/8) -> x * sqrt(8)
     expected = [[0.5 * math.sqrt(8), -0.5 * math.sqrt(8)] * 2, [0.0] * 4]
     reinforce = reinforce_pp_baseline_advantages(rewards)

@@ -5,15 +5,19 @@ from __future__ import annotations
 import torch
 
 
-def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6, *, unbiased: bool = False) -> torch.Tensor:
     """GRPO (DeepSeekMath, arXiv 2402.03300): (r - group mean) / group std.
 
-    rewards: `[groups, G]`. The std is the population std of the group; a group whose rewards are all
-    equal gets advantage 0 for every member (it carries no signal; filters may drop it).
+    rewards: `[groups, G]`. The std is the population std of the group (Σ_i A_i² = G), or with
+    `unbiased` the sample std (Bessel's correction, as verl's `compute_grpo_outcome_advantage` and TRL
+    take it; a group of one member then has no std and gets 0). A group whose rewards are all equal gets
+    advantage 0 for every member (it carries no signal; filters may drop it).
     """
     _check(rewards)
     centred = rewards - rewards.mean(-1, keepdim=True)
-    std = rewards.std(-1, unbiased=False, keepdim=True)
+    if unbiased and rewards.shape[1] < 2:
+        return torch.zeros_like(centred)
+    std = rewards.std(-1, unbiased=unbiased, keepdim=True)
     return torch.where(std > eps, centred / std.clamp_min(eps), torch.zeros_like(centred))
 
 

@@ -1,11 +1,27 @@
 """The learner: one optimizer step on a batch of trajectory groups, with every loss of `trainer.losses`
 one config switch away, R3 routing replay, and bad input turned into counted skips.
 
-One update per batch (LEARNABILITY.md's recipe): the proximal policy of decoupled PPO and the
-`recompute` ratio anchor are the weights before this update, which are the weights of this very
-forward, so their log-probs are the detached current ones and no extra forward is spent on them.
-With `ratio_anchor="behaviour"` the ratio is taken against the rollout engine's log-probs, as the SAT
-paper does: then the clip itself bounds how far a stale sample may pull.
+Updates per batch. `train_step` shuffles the batch's groups and splits them into `minibatches` disjoint
+mini-batches of whole groups, one optimizer update each, for `epochs` passes (AReaL's
+`ppo_n_minibatches`, verl's `ppo_mini_batch_size` and `ppo_epochs`). The proximal policy of decoupled PPO
+and the `recompute` ratio anchor are the weights before the first update: their log-probs are computed
+once, in a no-grad pass over the whole batch, so the clip and SAT act on the second and later updates.
+With a single update (the default: LEARNABILITY.md's recipe) that pass would return the detached log-probs
+of the update's own forward, so it is not spent. With `ratio_anchor="behaviour"` the ratio is taken
+against the rollout engine's log-probs, as the SAT paper does: the clip then bounds how far a stale sample
+may pull from the first update on.
+
+Policy versions count batches, not optimizer updates: `version` advances by one per `train_step` that
+applied at least one update (one publication to the engines per batch), however many updates the batch
+took, as AReaL's global step and verl's training step do. Staleness (a trajectory's version lag) is
+therefore measured in batches.
+
+Exact micro-batching. Each update accumulates gradients over micro-batches of whole groups (at most
+`micro_batch_size` sequences, unless one group is larger). Every loss is given the update's own
+denominator (its trainable tokens for token means, its sequences for sequence means:
+`trainer.losses.mean_unit`) and SAT's quantile over the whole mini-batch, so the accumulated gradient is
+the one-chunk gradient for every loss, with any `micro_batch_size`. The quantile costs a no-grad pass over
+the mini-batch when it spans several micro-batches (the proximal pass serves for the first update).
 
 Skips, each counted in `Learner.counts` under its reason and never reaching the weights:
 `failed_member` (a trajectory without a reward is left out of its group's advantages), `empty_response`
@@ -20,6 +36,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -43,23 +60,19 @@ from trainer.losses import (
     grpo_loss,
     gspo_loss,
     kl_k3,
+    mean_unit,
+    sat_threshold,
+    sequence_staleness,
 )
 
 LossName = Literal["gspo", "gspo_token", "grpo", "decoupled_ppo", "gmc"]
 AdvantageName = Literal["grpo", "dr_grpo", "reinforce_pp"]
-_WEIGHTED = (
-    "loss",
-    "entropy",
-    "clip_fraction",
-    "sat_gate_rate",
-    "sat_contraction",
-    "mismatch",
-    "mismatch_fresh",
-    "routing_disagreement",
-    "r3_coverage",
-    "kl",
-)
-"""Per-micro-batch figures, averaged over the step weighted by trainable tokens."""
+_PER_TOKEN = ("loss", "entropy", "kl")
+"""Per-micro-batch figures, averaged over every update of the step weighted by trainable tokens."""
+_PER_UNIT = ("clip_fraction", "sat_gate_rate", "sat_active_rate", "sat_contraction")
+"""Shares, averaged over every update weighted by the entries they count (tokens, sequences, groups)."""
+_FIRST_PASS = ("mismatch", "mismatch_fresh", "routing_disagreement", "r3_coverage")
+"""Engine-vs-trainer figures from the first epoch (each trajectory once), weighted by tokens."""
 LOSSES: tuple[LossName, ...] = ("gspo", "gspo_token", "grpo", "decoupled_ppo", "gmc")
 ADVANTAGES: tuple[AdvantageName, ...] = ("grpo", "dr_grpo", "reinforce_pp")
 
@@ -136,7 +149,19 @@ class LearnerConfig:
     routing_replay: bool = True
     """R3: replay the engine's recorded experts in the training forward (MoE models)."""
     micro_batch_size: int = 64
-    """Sequences per forward/backward (whole groups; gradients accumulate over micro-batches)."""
+    """Sequences per forward/backward (whole groups; gradients accumulate over micro-batches, exactly:
+    the gradient does not depend on this size)."""
+    minibatches: int = 1
+    """Optimizer updates per epoch: the batch's groups, shuffled, split into this many disjoint
+    mini-batches of whole groups (fewer when the batch has fewer groups)."""
+    epochs: int = 1
+    """Passes over the batch; each pass reshuffles the groups. Updates per batch = minibatches × epochs."""
+    shuffle_seed: int = 0
+    """Seeds the mini-batch shuffle (with the version, so a resumed run shuffles as the original)."""
+    advantage_std: Literal["population", "unbiased"] = "population"
+    """grpo's group std: population (default: each group's advantages have unit variance, so a group of
+    two is ±1; the setting LEARNABILITY.md's learning rate was tuned with) or unbiased (verl, TRL:
+    larger by sqrt(G/(G-1)), 1.155× at G=4; choose it to compare with their runs)."""
     drop_zero_advantage: bool = True
     """Leave out groups whose rewards are all equal (they carry no signal)."""
 
@@ -145,6 +170,10 @@ class LearnerConfig:
             raise ValueError(f"advantage must be one of {ADVANTAGES}, got {self.advantage!r}")
         if not (self.lr > 0 and self.grad_clip > 0 and self.temperature > 0 and self.micro_batch_size >= 1):
             raise ValueError("need lr > 0, grad_clip > 0, temperature > 0 and micro_batch_size >= 1")
+        if self.minibatches < 1 or self.epochs < 1:
+            raise ValueError(f"need minibatches >= 1 and epochs >= 1, got {self.minibatches}, {self.epochs}")
+        if self.advantage_std not in ("population", "unbiased"):
+            raise ValueError(f"advantage_std must be population or unbiased, got {self.advantage_std!r}")
         if not all(0 <= beta < 1 for beta in self.betas) or self.weight_decay < 0:
             raise ValueError(f"betas must lie in [0, 1) and weight_decay >= 0, got {self.betas}")
 
@@ -158,8 +187,10 @@ class StepResult:
     skipped: str
     """Why no update happened ("" when updated)."""
     metrics: dict[str, float]
-    """Per-step figures: reward, accuracy, entropy, grad_norm, clip_fraction, sat_gate_rate,
-    sat_contraction, mismatch, routing_disagreement, r3_coverage, tokens, tokens_per_s, ..."""
+    """Per-step figures: reward, accuracy, entropy, grad_norm, clip_fraction, sat_gate_rate (share
+    gated), sat_active_rate (share where SAT's contracted bound was the active term: where it changed the
+    gradient), sat_contraction, mismatch, routing_disagreement, r3_coverage, updates, skipped_updates,
+    tokens, tokens_per_s, ..."""
     trajectory_ids: tuple[str, ...]
     """Every trajectory of the batch (trained on or skipped: none of them will be seen again)."""
 
@@ -191,6 +222,25 @@ class _Prepared:
     group_index: list[int]
 
 
+@dataclass
+class _Totals:
+    """Running sums of the step's figures and their weights."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def add(self, names: Sequence[str], values: Mapping[str, float], weight: float) -> None:
+        for name in names:
+            self.sums[name] = self.sums.get(name, 0.0) + values[name] * weight
+            self.weights[name] = self.weights.get(name, 0.0) + weight
+
+    def means(self) -> dict[str, float]:
+        names = (*_PER_TOKEN, *_PER_UNIT, *_FIRST_PASS)
+        return {
+            name: self.sums[name] / self.weights[name] if self.weights.get(name) else 0.0 for name in names
+        }
+
+
 class Learner:
     """Owns the trained model and its optimizer; `version` counts the updates made."""
 
@@ -218,7 +268,7 @@ class Learner:
     # -- training -------------------------------------------------------------------------------------
 
     def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> StepResult:
-        """One optimizer update on `groups` (each the trajectories of one prompt)."""
+        """`minibatches` × `epochs` optimizer updates on `groups` (each the trajectories of one prompt)."""
         started = time.perf_counter()
         ids = tuple(t.id for group in groups for t in group)
         rewards = [t.reward for group in groups for t in group if t.reward is not None]
@@ -230,33 +280,38 @@ class Learner:
         prepared = self._prepare(groups)
         if not prepared.trajectories:
             return self._skip("no_signal", metrics, ids)
-        chunks = self._micro_batches(prepared)
+        plan = self._update_plan(prepared)
+        totals = _Totals()
+        skips: list[str] = []
+        grad_norms: list[float] = []
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = dict.fromkeys(_WEIGHTED, 0.0)
-        tokens = sum(t.num_model_tokens for t in prepared.trajectories)
         try:
-            for chunk in chunks:
-                reason = self._accumulate(prepared, chunk, tokens, totals)
+            proximal = self._proximal(prepared) if len(plan) > 1 and self._uses_proximal() else None
+            for epoch, members in plan:
+                moved = bool(grad_norms)
+                reason, grad_norm = self._update(prepared, members, proximal, moved, epoch == 0, totals)
                 if reason:
                     self.optimizer.zero_grad(set_to_none=True)
-                    return self._skip(reason, metrics, ids)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
-            if not math.isfinite(grad_norm):
-                self.optimizer.zero_grad(set_to_none=True)
-                return self._skip("nonfinite_grad", metrics, ids)
-            self.optimizer.step()
+                    skips.append(reason)
+                    self.counts[reason] += 1
+                else:
+                    grad_norms.append(grad_norm)
         finally:
             self.model.eval()
+        if not grad_norms:
+            return StepResult(False, skips[0], metrics, ids)
         self.version += 1
         elapsed = time.perf_counter() - started
-        metrics.update({name: value / tokens for name, value in totals.items()})
+        tokens = sum(t.num_model_tokens for t in prepared.trajectories)
+        metrics.update(totals.means())
         metrics.update(
-            grad_norm=grad_norm,
+            grad_norm=_mean(grad_norms),
+            updates=float(len(grad_norms)),
+            skipped_updates=float(len(skips)),
             tokens=float(tokens),
             trained_trajectories=float(len(prepared.trajectories)),
             step_s=elapsed,
-            tokens_per_s=tokens / elapsed,
+            tokens_per_s=tokens * len(plan) / elapsed,
         )
         return StepResult(True, "", metrics, ids)
 
@@ -289,75 +344,211 @@ class Learner:
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         if self.config.advantage == "grpo":
-            return grpo_advantages(rewards)[0]
+            return grpo_advantages(rewards, unbiased=self.config.advantage_std == "unbiased")[0]
         return dr_grpo_advantages(rewards)[0]  # reinforce_pp: centred here, normalised per batch later
 
-    def _micro_batches(self, prepared: _Prepared) -> list[list[int]]:
-        """Indices of whole groups, about `micro_batch_size` sequences per chunk."""
+    def _update_plan(self, prepared: _Prepared) -> list[tuple[int, list[int]]]:
+        """(epoch, trajectory indices) of each update: per epoch the groups shuffled and split into
+        `minibatches` runs of whole groups (members of a group stay consecutive)."""
+        members: dict[int, list[int]] = {}
+        for position, group in enumerate(prepared.group_index):
+            members.setdefault(group, []).append(position)
+        order = list(members)
+        count = min(self.config.minibatches, len(order))
+        shuffle = random.Random(self.config.shuffle_seed * 1_000_003 + self.version)
+        plan: list[tuple[int, list[int]]] = []
+        for epoch in range(self.config.epochs):
+            if count > 1 or self.config.epochs > 1:
+                shuffle.shuffle(order)
+            for part in range(count):
+                groups = order[part * len(order) // count : (part + 1) * len(order) // count]
+                plan.append((epoch, [i for group in groups for i in members[group]]))
+        return plan
+
+    def _micro_batches(self, prepared: _Prepared, members: list[int]) -> list[list[int]]:
+        """`members` in chunks of whole groups, about `micro_batch_size` sequences each."""
         chunks: list[list[int]] = [[]]
-        # A group's members are appended together, so they are one consecutive run of indices.
-        positions = range(len(prepared.group_index))
-        for _, run in itertools.groupby(positions, key=prepared.group_index.__getitem__):
-            members = list(run)
-            if chunks[-1] and len(chunks[-1]) + len(members) > self.config.micro_batch_size:
+        # A group's members are consecutive in `members`, so they form one run.
+        for _, run in itertools.groupby(members, key=prepared.group_index.__getitem__):
+            group = list(run)
+            if chunks[-1] and len(chunks[-1]) + len(group) > self.config.micro_batch_size:
                 chunks.append([])
-            chunks[-1].extend(members)
+            chunks[-1].extend(group)
         return chunks
 
-    def _accumulate(
-        self, prepared: _Prepared, chunk: list[int], total_tokens: int, totals: dict[str, float]
-    ) -> str:
-        """Forward and backward one micro-batch; returns a skip reason or ""."""
-        trajectories = [prepared.trajectories[i] for i in chunk]
-        batch = self.collate(trajectories)
-        logprobs, logits, stats = forward_logprobs(
+    def _uses_proximal(self) -> bool:
+        """Whether the loss anchors its ratio at the weights before the step's first update."""
+        cfg = self.config.loss
+        return cfg.name == "decoupled_ppo" or (cfg.ratio_anchor == "recompute" and cfg.name != "gmc")
+
+    @torch.no_grad()
+    def _proximal(self, prepared: _Prepared) -> list[torch.Tensor]:
+        """Log-probs of every trajectory's targets under the weights before the first update, `[T-1]`
+        each (a no-grad pass over the whole batch, in micro-batches)."""
+        rows: list[torch.Tensor] = []
+        size = self.config.micro_batch_size
+        for start in range(0, len(prepared.trajectories), size):
+            trajectories = prepared.trajectories[start : start + size]
+            batch = self.collate(trajectories)
+            logprobs, _, _ = self._forward(batch)
+            rows += [logprobs[row, : len(t.tokens) - 1] for row, t in enumerate(trajectories)]
+        return rows
+
+    def _forward(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        return forward_logprobs(
             self.model, batch, temperature=self.config.temperature, replay_routes=self.config.routing_replay
         )
+
+    def _update(
+        self,
+        prepared: _Prepared,
+        members: list[int],
+        proximal: list[torch.Tensor] | None,
+        moved: bool,
+        first_epoch: bool,
+        totals: _Totals,
+    ) -> tuple[str, float]:
+        """One optimizer update on `members`; returns (skip reason or "", the gradient norm)."""
+        cfg = self.config.loss
+        chunks = self._micro_batches(prepared, members)
+        trajectories = [prepared.trajectories[i] for i in members]
+        unit = mean_unit(cfg.name, cfg.aggregation)
+        tokens = sum(t.num_model_tokens for t in trajectories)
+        denominator = float(tokens if unit == "token" else len(trajectories))
+        threshold = self._sat_threshold(chunks, prepared, proximal, moved)
+        self.optimizer.zero_grad(set_to_none=True)
+        for chunk in chunks:
+            reason = self._accumulate(
+                prepared, chunk, proximal, (denominator, tokens, threshold), first_epoch, totals
+            )
+            if reason:
+                return reason, 0.0
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+        if not math.isfinite(grad_norm):
+            return "nonfinite_grad", 0.0
+        self.optimizer.step()
+        return "", grad_norm
+
+    def _sat_threshold(
+        self,
+        chunks: list[list[int]],
+        prepared: _Prepared,
+        proximal: list[torch.Tensor] | None,
+        moved: bool,
+    ) -> torch.Tensor | None:
+        """SAT's quantile over the whole mini-batch at the current weights; None when one micro-batch
+        holds it (the loss then takes its own) or SAT is off."""
+        cfg, sat = self.config.loss, self._sat_config()
+        if sat is None or cfg.name == "gmc" or len(chunks) < 2:
+            return None
+        values: list[torch.Tensor] = []
+        for chunk in chunks:
+            batch = self.collate([prepared.trajectories[i] for i in chunk])
+            if proximal is not None and not moved:  # the weights of the proximal pass are these
+                current = _padded([proximal[i] for i in chunk], batch.loss_mask.shape)
+            else:
+                with torch.no_grad():
+                    current, _, _ = self._forward(batch)
+            mask, behaviour = batch.loss_mask, batch.behaviour.to(current.dtype)
+            if cfg.name in ("gspo", "gspo_token"):
+                values.append(sequence_staleness(current, behaviour, mask)[mask.any(-1)])
+            else:
+                values.append((current - behaviour)[mask])
+        staleness = torch.cat(values)
+        return sat_threshold(staleness, torch.ones_like(staleness, dtype=torch.bool), sat)
+
+    def _accumulate(
+        self,
+        prepared: _Prepared,
+        chunk: list[int],
+        proximal: list[torch.Tensor] | None,
+        whole: tuple[float, int, torch.Tensor | None],
+        first_epoch: bool,
+        totals: _Totals,
+    ) -> str:
+        """Forward and backward one micro-batch, its loss normalised by the whole mini-batch
+        (`whole` = its loss denominator, its trainable tokens, SAT's threshold); returns a skip reason
+        or ""."""
+        denominator, update_tokens, threshold = whole
+        trajectories = [prepared.trajectories[i] for i in chunk]
+        batch = self.collate(trajectories)
+        logprobs, logits, stats = self._forward(batch)
         mask = batch.loss_mask
         if not bool(torch.isfinite(logprobs[mask]).all()):
             return "nonfinite_logprobs"
         advantages = torch.tensor([prepared.advantages[i] for i in chunk], dtype=logprobs.dtype)
         groups = torch.tensor([prepared.group_index[i] for i in chunk], dtype=torch.long)
-        output = self._loss(logprobs, batch, advantages, groups)
+        anchor = logprobs.detach() if proximal is None else _padded([proximal[i] for i in chunk], mask.shape)
+        output = self._loss(logprobs, anchor, batch, advantages, groups, threshold, denominator)
+        chunk_tokens = batch.num_tokens
+        # Entropy and KL are token means: this chunk's share of the update's is its share of tokens.
+        share = chunk_tokens / update_tokens
         loss = output.loss
         entropy = entropy_from_logits(logits, mask, self.config.temperature)
         if self.config.loss.entropy_coef:
-            loss = loss - self.config.loss.entropy_coef * entropy
+            loss = loss - self.config.loss.entropy_coef * entropy * share
         kl = self._kl(logprobs, batch)
         if kl is not None:
-            loss = loss + self.config.loss.kl_coef * kl
-        chunk_tokens = batch.num_tokens
-        # Weight each micro-batch by its share of tokens, so the accumulated gradient is that of the
-        # whole batch for token-mean losses (and close to it for sequence means of similar lengths).
-        scaled: torch.Tensor = loss * (chunk_tokens / total_tokens)
-        torch.autograd.backward(scaled)
+            loss = loss + self.config.loss.kl_coef * kl * share
+        torch.autograd.backward(loss)
         with torch.no_grad():
-            log_ratio = (logprobs - batch.behaviour)[mask]
-            fresh = (batch.versions == self.version)[mask]
-            weighted = {
-                "loss": float(loss),
-                "entropy": float(entropy),
-                "clip_fraction": float(output.clip_fraction),
-                "sat_gate_rate": float(output.gate_rate),
-                "sat_contraction": float(output.mean_contraction),
-                "mismatch": float(log_ratio.abs().mean()),
-                "mismatch_fresh": float(log_ratio[fresh].abs().mean()) if bool(fresh.any()) else 0.0,
-                "routing_disagreement": stats.disagreement if stats is not None else 0.0,
-                "r3_coverage": _replayed_share(batch, chunk_tokens) if stats is not None else 0.0,
-                "kl": float(kl) if kl is not None else 0.0,
-            }
-        for name in _WEIGHTED:
-            totals[name] += weighted[name] * chunk_tokens
+            # The shares' own entries: tokens (grpo, decoupled_ppo), sequences (gspo), groups (gmc).
+            name = self.config.loss.name
+            units = {"grpo": chunk_tokens, "decoupled_ppo": chunk_tokens, "gmc": len(set(groups.tolist()))}
+            totals.add(
+                _PER_TOKEN,
+                {
+                    "loss": float(output.loss) / share if share else 0.0,
+                    "entropy": float(entropy),
+                    "kl": float(kl) if kl is not None else 0.0,
+                },
+                chunk_tokens,
+            )
+            totals.add(
+                _PER_UNIT,
+                {
+                    "clip_fraction": float(output.clip_fraction),
+                    "sat_gate_rate": float(output.gate_rate),
+                    "sat_active_rate": float(output.sat_active),
+                    "sat_contraction": float(output.mean_contraction),
+                },
+                units.get(name, len(chunk)),
+            )
+            if first_epoch:
+                log_ratio = (logprobs - batch.behaviour)[mask]
+                fresh = (batch.versions == self.version)[mask]
+                totals.add(
+                    _FIRST_PASS,
+                    {
+                        "mismatch": float(log_ratio.abs().mean()),
+                        "mismatch_fresh": float(log_ratio[fresh].abs().mean()) if bool(fresh.any()) else 0.0,
+                        "routing_disagreement": stats.disagreement if stats is not None else 0.0,
+                        "r3_coverage": _replayed_share(batch, chunk_tokens) if stats is not None else 0.0,
+                    },
+                    chunk_tokens,
+                )
         return ""
 
+    def _sat_config(self) -> SATConfig | None:
+        cfg = self.config.loss
+        return SATConfig(cfg.sat_quantile, cfg.sat_kernel) if cfg.sat else None
+
     def _loss(
-        self, logprobs: torch.Tensor, batch: TokenBatch, advantages: torch.Tensor, groups: torch.Tensor
+        self,
+        logprobs: torch.Tensor,
+        proximal: torch.Tensor,
+        batch: TokenBatch,
+        advantages: torch.Tensor,
+        groups: torch.Tensor,
+        threshold: torch.Tensor | None,
+        denominator: float,
     ) -> LossOutput:
+        """The configured loss of one micro-batch; `proximal`: log-probs before the step's first update."""
         cfg = self.config.loss
         clip = ClipConfig(cfg.eps_low, cfg.eps_high)
-        sat = SATConfig(cfg.sat_quantile, cfg.sat_kernel) if cfg.sat else None
+        sat = self._sat_config()
         mask, behaviour = batch.loss_mask, batch.behaviour.to(logprobs.dtype)
-        old = behaviour if cfg.ratio_anchor == "behaviour" else logprobs.detach()
+        old = behaviour if cfg.ratio_anchor == "behaviour" else proximal
         if cfg.name in ("gspo", "gspo_token"):
             return gspo_loss(
                 logprobs,
@@ -367,14 +558,27 @@ class Learner:
                 clip,
                 cfg.name == "gspo_token",
                 sat,
-                behaviour_logprobs=behaviour,
+                behaviour,
+                sat_threshold=threshold,
+                denominator=denominator,
             )
         if cfg.name == "grpo":
-            return grpo_loss(logprobs, old, advantages, mask, clip, cfg.aggregation, sat, behaviour)
+            return grpo_loss(
+                logprobs,
+                old,
+                advantages,
+                mask,
+                clip,
+                cfg.aggregation,
+                sat,
+                behaviour,
+                sat_threshold=threshold,
+                denominator=denominator,
+            )
         if cfg.name == "decoupled_ppo":
             return decoupled_ppo_loss(
                 logprobs,
-                logprobs.detach(),
+                proximal,
                 behaviour,
                 advantages,
                 mask,
@@ -383,8 +587,12 @@ class Learner:
                 weight_cap=cfg.weight_cap,
                 aggregation=cfg.aggregation,
                 sat=sat,
+                sat_threshold=threshold,
+                denominator=denominator,
             )
-        return gmc_loss(logprobs, behaviour, advantages, mask, groups, eps=cfg.gmc_eps)
+        return gmc_loss(
+            logprobs, behaviour, advantages, mask, groups, eps=cfg.gmc_eps, denominator=denominator
+        )
 
     def _kl(self, logprobs: torch.Tensor, batch: TokenBatch) -> torch.Tensor | None:
         if self.reference is None:
@@ -482,6 +690,14 @@ def _replayed_share(batch: TokenBatch, tokens: int) -> float:
         return 0.0
     # Input position t replays the route that produced token t + 1, the target at index t.
     return float((batch.replay[:, :-1] & batch.loss_mask).sum()) / tokens
+
+
+def _padded(rows: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """Per-trajectory `[T_i - 1]` rows right-padded with 0 into `shape` (a collated batch's)."""
+    out = torch.zeros(shape, dtype=rows[0].dtype)
+    for row, values in enumerate(rows):
+        out[row, : values.shape[0]] = values
+    return out
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -7,6 +7,12 @@ Shapes: `logprobs`, `old_logprobs`, `proximal_logprobs`, `behaviour_logprobs`: `
 log-probs of the sampled tokens (current policy, the ratio's anchor, the rollout engine); `mask`:
 `[B, T]` bool, True on trainable (model) tokens; `advantages`: `[B]`, one per sequence. Losses are to
 be minimised.
+
+Micro-batching. A caller that splits one batch into parts and accumulates gradients passes each part the
+whole batch's figures, so that the parts' losses sum to the whole batch's loss exactly, for token means
+and sequence means alike: `denominator` (the batch's count of what the mean is over: trainable tokens for
+token means, sequences with trainable tokens for sequence means, see `mean_unit`) and `sat_threshold`
+(SAT's quantile over the whole batch, from `sat_threshold` on the batch's staleness).
 """
 
 from __future__ import annotations
@@ -62,22 +68,63 @@ class LossOutput:
     """Mean contraction factor over gated entries (1 when none)."""
     masked_fraction: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     """Share of trainable tokens dropped by a behaviour-weight cap (0 for losses without one)."""
+    sat_active: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    """Share (of the entries `clip_fraction` counts) whose active term is a bound SAT contracted and the
+    base trust region would not have clipped: where SAT changed the gradient (0 without SAT)."""
+
+
+def mean_unit(
+    name: str, aggregation: Literal["sequence", "token"] = "sequence"
+) -> Literal["sequence", "token"]:
+    """What a loss averages over, so the `denominator` a part of a batch needs: `token` for grpo and
+    decoupled_ppo with token aggregation, `sequence` for every other case (gspo, gspo_token, gmc, and
+    grpo/decoupled_ppo with sequence aggregation)."""
+    return "token" if name in ("grpo", "decoupled_ppo") and aggregation == "token" else "sequence"
+
+
+def sequence_staleness(
+    logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """GSPO's SAT input: per sequence, the mean over its trainable tokens of log π_θ - log μ (detached;
+    0 for a sequence without trainable tokens). Shapes: `[B, T]` each → `[B]`."""
+    weights = mask.to(logprobs.dtype)
+    difference = torch.where(mask, logprobs.detach() - behaviour_logprobs.detach(), 0.0)
+    return (difference * weights).sum(-1) / weights.sum(-1).clamp_min(1)
+
+
+def sat_threshold(staleness_log_ratio: torch.Tensor, active: torch.Tensor, sat: SATConfig) -> torch.Tensor:
+    """SAT's gate level q: the `sat.quantile` quantile (linear interpolation) of |d| over the active
+    entries (0 when none). A caller that micro-batches takes it once over the whole batch and passes it
+    to each part's loss, so that every part gates against the batch's level."""
+    values = staleness_log_ratio.detach().abs()[active]
+    if not values.numel():
+        return staleness_log_ratio.new_zeros(())
+    return torch.quantile(values.float(), sat.quantile).to(staleness_log_ratio.dtype)
 
 
 def sat_bounds(
-    staleness_log_ratio: torch.Tensor, active: torch.Tensor, clip: ClipConfig, sat: SATConfig
+    staleness_log_ratio: torch.Tensor,
+    active: torch.Tensor,
+    clip: ClipConfig,
+    sat: SATConfig,
+    threshold: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-entry clip bounds (lo, hi) under SAT, plus the gate mask and the contraction factors.
 
-    d = staleness_log_ratio (detached log π_θ - log μ), q = the `sat.quantile` quantile of |d| over
-    active entries. An entry with |d| > q > 0 is gated: only the endpoint on the side it already moved
-    to is contracted by k(|d|) (d > 0: the upper one; d < 0: the lower one), so pull-back updates toward
-    r = 1 keep the base trust region, and nothing gated reduces to the base loss.
+    d = staleness_log_ratio (detached log π_θ - log μ), q = `threshold`, by default `sat_threshold` of
+    these entries (the `sat.quantile` quantile of |d| over active entries). An entry with |d| > q > 0 is
+    gated: only the endpoint on the side it already moved to is contracted by k(|d|) (d > 0: the upper
+    one; d < 0: the lower one), so pull-back updates toward r = 1 keep the base trust region, and nothing
+    gated reduces to the base loss.
     """
     d = staleness_log_ratio.detach()
     magnitude = d.abs()
-    values = magnitude[active]
-    q = torch.quantile(values.float(), sat.quantile) if values.numel() else magnitude.new_zeros(())
+    if threshold is None:
+        q = sat_threshold(d, active, sat)
+    else:
+        q = torch.as_tensor(threshold, dtype=magnitude.dtype)
+        if not (bool(torch.isfinite(q)) and float(q) >= 0 and q.ndim == 0):
+            raise ValueError(f"threshold must be a finite scalar >= 0, got {threshold}")
     gated = active & (magnitude > q) & (q > 0)
     if sat.kernel == "cauchy":
         k = 1.0 / (1.0 + ((magnitude - q) / q.clamp_min(1e-12)) ** 2)
@@ -98,6 +145,25 @@ def _surrogate(
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
 
 
+def _sat_acted(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip: ClipConfig, was_clipped: torch.Tensor
+) -> torch.Tensor:
+    """Entries clipped under SAT's bounds that the base bounds would have left unclipped."""
+    ratio = ratio.detach()
+    base = torch.clamp(ratio, 1 - clip.eps_low, 1 + clip.eps_high) * advantages < ratio * advantages
+    return was_clipped & ~base
+
+
+def _batch_mean(values: torch.Tensor, denominator: float | None) -> torch.Tensor:
+    """Σ values / denominator: the mean over these entries, or (given the whole batch's count) this part's
+    share of the whole batch's mean."""
+    if denominator is None:
+        return values.sum() / max(values.numel(), 1)
+    if not (math.isfinite(denominator) and denominator > 0):
+        raise ValueError(f"denominator must be a positive count, got {denominator}")
+    return values.sum() / denominator
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -107,31 +173,33 @@ def grpo_loss(
     aggregation: Literal["sequence", "token"] = "sequence",
     sat: SATConfig | None = None,
     behaviour_logprobs: torch.Tensor | None = None,
+    *,
+    sat_threshold: torch.Tensor | float | None = None,
+    denominator: float | None = None,
 ) -> LossOutput:
     """GRPO's token-level clipped surrogate (DeepSeekMath Eq. 3; DAPO's asymmetric clip via `clip`).
 
-    aggregation: `sequence` = mean over sequences of the token mean (GRPO), `token` = sum over all
+    aggregation: `sequence` = mean over sequences with trainable tokens of each one's token mean (GRPO,
+    verl's seq-mean-token-mean: a row with none would only dilute the others), `token` = sum over all
     tokens / number of tokens (DAPO). With `sat`, the per-token bounds come from `sat_bounds` on
-    log π_θ - log μ (`behaviour_logprobs`, default `old_logprobs`).
+    log π_θ - log μ (`behaviour_logprobs`, default `old_logprobs`). `sat_threshold` and `denominator`:
+    the whole batch's, when this call holds a part of it (module docstring).
     """
     _check_shapes(mask, advantages, logprobs=logprobs, old_logprobs=old_logprobs)
     logprobs, old_logprobs = _off_mask_zeroed(mask, logprobs, old_logprobs)
     if behaviour_logprobs is not None:
         (behaviour_logprobs,) = _off_mask_zeroed(mask, behaviour_logprobs)
     ratio = torch.exp(logprobs - old_logprobs)
-    lo, hi, gated, k = _bounds(logprobs, old_logprobs, behaviour_logprobs, mask, clip, sat)
+    lo, hi, gated, k = _bounds(logprobs, old_logprobs, behaviour_logprobs, mask, clip, sat, sat_threshold)
     per_token, was_clipped = _surrogate(ratio, advantages[:, None], lo, hi)
-    weights = mask.float()
     if aggregation == "token":
-        loss = (per_token * weights).sum() / weights.sum().clamp_min(1)
+        loss = _batch_mean(per_token[mask], denominator)
     else:
-        # The mean over sequences that have trainable tokens (as verl's seq-mean-token-mean): a row
-        # with none would only dilute the others.
-        counts = weights.sum(-1)
-        per_sequence = (per_token * weights).sum(-1) / counts.clamp_min(1)
-        present = counts > 0
-        loss = per_sequence[present].mean() if bool(present.any()) else per_sequence.sum() * 0
-    return _output(loss, was_clipped[mask], gated[mask], k[gated])
+        counts = mask.sum(-1)
+        per_sequence = torch.where(mask, per_token, 0.0).sum(-1) / counts.clamp_min(1)
+        loss = _batch_mean(per_sequence[counts > 0], denominator)
+    acted = _sat_acted(ratio, advantages[:, None], clip, was_clipped) & gated
+    return _output(loss, was_clipped[mask], gated[mask], k[gated], sat_active=acted[mask])
 
 
 def gspo_loss(
@@ -143,12 +211,17 @@ def gspo_loss(
     token_level: bool = False,
     sat: SATConfig | None = None,
     behaviour_logprobs: torch.Tensor | None = None,
+    *,
+    sat_threshold: torch.Tensor | float | None = None,
+    denominator: float | None = None,
 ) -> LossOutput:
     """GSPO (arXiv 2507.18071): the length-normalised sequence ratio s_i = exp(mean_t log r_t), clipped.
 
     `token_level` gives GSPO-token: s_{i,t} = sg[s_i]·π_θ/sg[π_θ], equal to GSPO in value and gradient
     when advantages are per sequence. With `sat`, the gate works on each sequence's mean
-    log π_θ - log μ (a reconstruction: the paper leaves token- vs sequence-level gating open).
+    log π_θ - log μ (`sequence_staleness`; a reconstruction: the paper leaves token- vs sequence-level
+    gating open). The loss is the mean over sequences with trainable tokens; `sat_threshold` and
+    `denominator`: the whole batch's, when this call holds a part of it (module docstring).
     """
     _check_shapes(mask, advantages, logprobs=logprobs, old_logprobs=old_logprobs)
     logprobs, old_logprobs = _off_mask_zeroed(mask, logprobs, old_logprobs)
@@ -158,24 +231,29 @@ def gspo_loss(
     lengths = weights.sum(-1).clamp_min(1)
     sequence_log_ratio = ((logprobs - old_logprobs) * weights).sum(-1) / lengths
     behaviour = old_logprobs if behaviour_logprobs is None else behaviour_logprobs
-    staleness = ((logprobs - behaviour).detach() * weights).sum(-1) / lengths
     present = weights.sum(-1) > 0
     if sat is None:
         lo = torch.full_like(sequence_log_ratio, 1 - clip.eps_low)
         hi = torch.full_like(sequence_log_ratio, 1 + clip.eps_high)
         gated, k = torch.zeros_like(present), torch.ones_like(sequence_log_ratio)
     else:
-        lo, hi, gated, k = sat_bounds(staleness, present, clip, sat)
+        staleness = sequence_staleness(logprobs, behaviour, mask)
+        lo, hi, gated, k = sat_bounds(staleness, present, clip, sat, sat_threshold)
     if token_level:
         token_ratio = torch.exp(sequence_log_ratio.detach()[:, None] + logprobs - logprobs.detach())
         per_token, was_clipped = _surrogate(token_ratio, advantages[:, None], lo[:, None], hi[:, None])
         per_sequence = (per_token * weights).sum(-1) / lengths
-        clipped_share = was_clipped[mask]
+        acted = _sat_acted(token_ratio, advantages[:, None], clip, was_clipped) & gated[:, None]
+        # Per-sequence advantages give every token of a row the value s_i: a row is clipped whole, so
+        # the shares are of sequences, as GSPO's.
+        clipped_share, acted_share = (was_clipped & mask).any(-1)[present], (acted & mask).any(-1)[present]
     else:
-        per_sequence, was_clipped = _surrogate(torch.exp(sequence_log_ratio), advantages, lo, hi)
-        clipped_share = was_clipped[present]
-    loss = per_sequence[present].mean() if present.any() else per_sequence.sum() * 0
-    return _output(loss, clipped_share, gated[present], k[gated])
+        ratio = torch.exp(sequence_log_ratio)
+        per_sequence, was_clipped = _surrogate(ratio, advantages, lo, hi)
+        acted = _sat_acted(ratio, advantages, clip, was_clipped) & gated
+        clipped_share, acted_share = was_clipped[present], acted[present]
+    loss = _batch_mean(per_sequence[present], denominator)
+    return _output(loss, clipped_share, gated[present], k[gated], sat_active=acted_share)
 
 
 def decoupled_ppo_loss(
@@ -191,6 +269,8 @@ def decoupled_ppo_loss(
     aggregation: Literal["sequence", "token"] = "token",
     dual_clip: float | None = None,
     sat: SATConfig | None = None,
+    sat_threshold: torch.Tensor | float | None = None,
+    denominator: float | None = None,
 ) -> LossOutput:
     """AReaL's decoupled PPO (arXiv 2505.24298; `ppo_actor_loss_fn`; ALGORITHMS.md §2): the trust region
     is anchored at the proximal policy and the off-policy correction is a separate, detached weight.
@@ -210,6 +290,8 @@ def decoupled_ppo_loss(
     contribution without inflating the others'. With `sat`, the bounds come from `sat_bounds` on
     log π_θ - log μ (μ = `behaviour_logprobs`). Both anchors are constants (detached), so an approximate
     π_prox built from π_θ (A-3PO's log-linear mix) cannot leak a gradient into the surrogate.
+    `sat_threshold` and `denominator`: the whole batch's, when this call holds a part of it (module
+    docstring).
 
     Shapes: `logprobs`, `proximal_logprobs`, `behaviour_logprobs`, `mask` `[B, T]`; `advantages` `[B]`.
     clip_fraction, gate_rate and masked_fraction are shares of the trainable tokens.
@@ -231,9 +313,11 @@ def decoupled_ppo_loss(
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     logprobs, proximal, behaviour = _off_mask_zeroed(mask, logprobs, proximal_logprobs, behaviour_logprobs)
     proximal, behaviour = proximal.detach(), behaviour.detach()
-    lo, hi, gated, k = _bounds(logprobs, proximal, behaviour, mask, clip, sat)
+    lo, hi, gated, k = _bounds(logprobs, proximal, behaviour, mask, clip, sat, sat_threshold)
     advantage = advantages[:, None]
-    per_token, was_clipped = _surrogate(torch.exp(logprobs - proximal), advantage, lo, hi)
+    ratio = torch.exp(logprobs - proximal)
+    per_token, was_clipped = _surrogate(ratio, advantage, lo, hi)
+    acted = _sat_acted(ratio, advantage, clip, was_clipped) & gated
     if dual_clip is not None:
         per_token = torch.minimum(per_token, dual_clip * advantage.abs())
     weight = torch.exp(proximal - behaviour)
@@ -248,12 +332,11 @@ def decoupled_ppo_loss(
     weighted = per_token * torch.where(mask, weight, 0.0)
     counts = mask.sum(-1)
     if aggregation == "token":
-        loss = weighted.sum() / counts.sum().clamp_min(1)
+        loss = _batch_mean(weighted[mask], denominator)
     else:
-        present = counts > 0
         per_sequence = weighted.sum(-1) / counts.clamp_min(1)
-        loss = per_sequence[present].mean() if present.any() else per_sequence.sum() * 0
-    return _output(loss, was_clipped[mask], gated[mask], k[gated], dropped[mask])
+        loss = _batch_mean(per_sequence[counts > 0], denominator)
+    return _output(loss, was_clipped[mask], gated[mask], k[gated], dropped[mask], acted[mask])
 
 
 def gmc_loss(
@@ -265,6 +348,7 @@ def gmc_loss(
     *,
     eps: float = 0.2,
     length_normalized: bool = True,
+    denominator: float | None = None,
 ) -> LossOutput:
     """Group-Mass Capping (GMC-GRPO, arXiv 2610.01896; ALGORITHMS.md §7). A reconstruction: only the
     abstract and one third-party formula, w_i = ρ_i·min(1, C/Σ_j ρ_j), were available, so C = G(1+eps),
@@ -282,6 +366,8 @@ def gmc_loss(
 
     Shapes: `logprobs`, `behaviour_logprobs`, `mask` `[B, T]`; `advantages` `[B]`; `group_index` `[B]`
     integer (any ids, equal ids share a group). clip_fraction is the share of groups whose scale is < 1.
+    A caller that splits a batch keeps each group whole in one part and passes `denominator` = the
+    batch's N.
     """
     _check_shapes(mask, advantages, logprobs=logprobs, behaviour_logprobs=behaviour_logprobs)
     if group_index.shape != advantages.shape:
@@ -311,7 +397,7 @@ def gmc_loss(
     # scale·ρ_i = C_g·ρ_i/Σ_j ρ_j <= C_g, from log ρ_i - peak (exact for the largest ratio rather than a
     # difference of two large logs); the gradient flows through ρ_i alone (scale is detached).
     log_weight = torch.where(capped[member_of], log_rho - peak[member_of] + log_cap_share[member_of], log_rho)
-    loss = -(torch.exp(log_weight) * advantage).mean()
+    loss = _batch_mean(-(torch.exp(log_weight) * advantage), denominator)
     return _output(loss, capped, no_gate, torch.ones(0))
 
 
@@ -399,13 +485,14 @@ def _bounds(
     mask: torch.Tensor,
     clip: ClipConfig,
     sat: SATConfig | None,
+    threshold: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if sat is None:
         lo = torch.full_like(logprobs, 1 - clip.eps_low)
         hi = torch.full_like(logprobs, 1 + clip.eps_high)
         return lo, hi, torch.zeros_like(mask), torch.ones_like(logprobs)
     behaviour = old_logprobs if behaviour_logprobs is None else behaviour_logprobs
-    return sat_bounds(logprobs - behaviour, mask, clip, sat)
+    return sat_bounds(logprobs - behaviour, mask, clip, sat, threshold)
 
 
 def _output(
@@ -414,13 +501,13 @@ def _output(
     gated: torch.Tensor,
     k: torch.Tensor,
     dropped: torch.Tensor | None = None,
+    sat_active: torch.Tensor | None = None,
 ) -> LossOutput:
-    def share(flags: torch.Tensor) -> torch.Tensor:
-        return flags.float().mean() if flags.numel() else torch.zeros(())
+    def share(flags: torch.Tensor | None) -> torch.Tensor:
+        return flags.float().mean() if flags is not None and flags.numel() else torch.zeros(())
 
     mean_k = k.detach().mean() if k.numel() else torch.ones(())
-    masked = share(dropped) if dropped is not None else torch.zeros(())
-    return LossOutput(loss, share(clipped), share(gated), mean_k, masked)
+    return LossOutput(loss, share(clipped), share(gated), mean_k, share(dropped), share(sat_active))
 
 
 def _off_mask_zeroed(mask: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
