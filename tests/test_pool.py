@@ -105,7 +105,7 @@ def test_filter_config_validates_ranges() -> None:
 
 
 def test_admission_capacity_by_hand() -> None:
-    common = {"max_concurrent_groups": 16, "max_offpolicyness": 4, "batch_groups": 4, "v_now": 2}
+    common = {"max_concurrent_groups": 16, "max_offpolicyness": 4, "batch_groups": 4, "trainer_steps": 2}
     # concurrency 16 - 3 = 13; staleness (4 + 2 + 1)·4 - (20 + 3) = 28 - 23 = 5 -> 5
     assert admission_capacity(running_groups=3, accepted_groups=20, **common) == 5
     # concurrency 16 - 14 = 2 binds: staleness 28 - (10 + 14) = 4
@@ -114,7 +114,7 @@ def test_admission_capacity_by_hand() -> None:
     assert admission_capacity(running_groups=3, accepted_groups=30, **common) == 0
     # synchronous (η = 0) at the start: (0 + 0 + 1)·2 - 0 = 2 groups may run
     sync = admission_capacity(
-        v_now=0,
+        trainer_steps=0,
         running_groups=0,
         accepted_groups=0,
         batch_groups=2,
@@ -122,6 +122,19 @@ def test_admission_capacity_by_hand() -> None:
         max_offpolicyness=0,
     )
     assert sync == 2
+    # η = 0 after one skipped step (version still 0): the step consumed its 2 groups, so
+    # (0 + 1 + 1)·2 - 2 = 2 may start; counted in versions it would be (0 + 0 + 1)·2 - 2 = 0 for good
+    after_skip = admission_capacity(
+        trainer_steps=1,
+        running_groups=0,
+        accepted_groups=2,
+        batch_groups=2,
+        max_concurrent_groups=16,
+        max_offpolicyness=0,
+    )
+    assert after_skip == 2
+    with pytest.raises(ValueError, match="trainer_steps"):
+        admission_capacity(running_groups=0, accepted_groups=0, **{**common, "trainer_steps": -1})
     with pytest.raises(ValueError, match="batch_groups"):
         admission_capacity(running_groups=0, accepted_groups=0, **{**common, "batch_groups": 0})
     with pytest.raises(ValueError, match="running_groups"):
@@ -252,7 +265,7 @@ def test_staleness_summary_by_hand() -> None:
 # -- the filters on the hand-built pool ------------------------------------------------------------------
 
 
-def test_pace_rejects_the_largest_effective_staleness_and_draws_the_freshest() -> None:
+def test_pace_rejects_the_largest_effective_staleness_and_draws_in_arrival_order() -> None:
     pool = pool_of(FilterConfig(name="pace", target_groups=2, ema=0.5, gamma=4.0))
     drift = RecordingDrift(DRIFT)
     batch = pool.select(2, 10, drift)
@@ -266,8 +279,8 @@ def test_pace_rejects_the_largest_effective_staleness_and_draws_the_freshest() -
     # A (waited 2 versions) goes; C spans 5 versions but its prefix barely drifted, so it stays.
     assert pool.rejections == {"pace_budget": 1}
     assert pool.rejected_ids == ["A/0", "A/1"]
-    assert ids(batch) == ["D", "B"]  # ascending score
-    assert pool.group_ids() == ["C"]
+    assert ids(batch) == ["B", "C"]  # the rest in arrival order, not by score
+    assert pool.group_ids() == ["D"]
     assert (pool.counts["drawn_groups"], pool.counts["rejected_trajectories"]) == (2, 2)
     assert pool.counts["drift_scored"] == 3 and pool.counts["drift_unscored"] == 0
 
@@ -277,41 +290,105 @@ def test_pace_without_drift_counts_full_generation_staleness() -> None:
     batch = pool.select(2, 10)
     # unscored GS > 0 members take pct = 1: C = ((1 + 4) + (1 + 4))/2 = 5 is now the largest score
     assert pool.rejected_ids == ["C/0", "C/1"]
-    assert ids(batch) == ["D", "B"]
-    assert pool.group_ids() == ["A"]
+    assert ids(batch) == ["A", "B"]
+    assert pool.group_ids() == ["D"]
     assert pool.counts["drift_unscored"] == 3
 
 
 def test_pace_budget_stops_once_the_pool_is_back_at_target() -> None:
     pool = pool_of(FilterConfig(name="pace", target_groups=2, ema=0.5))
     pool.select(2, 10, RecordingDrift(DRIFT))
-    assert ids(pool.select(2, 10, no_drift_call)) == ["C"]  # C is cached at v 10: no call
+    assert ids(pool.select(2, 10, no_drift_call)) == ["D"]  # K = 0: nothing to rank, no call
     # P = 1 < P*: e = 0.5·0.25 = 0.125 decays, but K = 0: a pool under target is never thinned
     assert (pool.budget_ema, pool.last_budget) == (0.125, 0)
     assert pool.rejections == {"pace_budget": 1}
 
 
-def test_pace_drift_is_cached_per_version() -> None:
-    pool = pool_of(FilterConfig(name="pace", target_groups=100))  # never over target: K = 0
-    drift = RecordingDrift({**DRIFT, "E/0": 0.2, "E/1": 0.0})
-    assert ids(pool.select(1, 10, drift)) == ["D"]
-    assert ids(pool.select(1, 10, drift)) == ["B"]  # same version: the cached scores are reused
+def test_pace_drift_is_cached_per_version_and_asked_only_for_a_budget() -> None:
+    drift = RecordingDrift({**DRIFT, "E/0": 0.2})
+    pool = pool_of(FilterConfig(name="pace", target_groups=8))  # P = 4 <= P*: K = 0
+    assert ids(pool.select(1, 10, drift)) == ["A"] and drift.calls == []  # nothing to rank: no call
+    pool = pool_of(FilterConfig(name="pace", target_groups=3, ema=0.0))
+    # P = 4: e = 1/4, K = 1 rejects A (score 2); B is drawn; the GS > 0 members are scored once
+    assert ids(pool.select(1, 10, drift)) == ["B"] and pool.rejected_ids == ["A/0", "A/1"]
     assert drift.calls == [["B/0", "C/0", "C/1"]]
     pool.add_group([traj("E/0", "E", [(9, 1), (10, 1)], 10), traj("E/1", "E", [(10, 1)], 10)])
-    # only the new GS > 0 member is scored; percentiles among C/0 0.1, C/1 0.3, E/0 0.2 -> 0, 1, 0.5
-    # E: (0.5^4·0.5 + 0)/2 = 0.015625; C: ((1 + 0) + (1 + 4))/2 = 3; A: 2
-    assert ids(pool.select(1, 10, drift)) == ["E"]
+    pool.add_group([traj("F/0", "F", [(10, 1)], 10)])
+    # P = 4 (C, D, E, F), K = 1. Same version: C's scores are reused, only E/0 is scored.
+    # Percentiles among C/0 0.1, C/1 0.3, E/0 0.2 -> 0, 1, 0.5: C ((1 + 0) + (1 + 4))/2 = 3,
+    # E (0.5^4·0.5 + 0)/2 = 0.015625, D and F 0. C goes, D is drawn.
+    assert ids(pool.select(1, 10, drift)) == ["D"] and pool.rejected_ids[2:] == ["C/0", "C/1"]
     assert drift.calls[1:] == [["E/0"]]
-    pool.select(1, 11, drift)  # a new version re-scores every GS > 0 member still pooled
-    assert drift.calls[2:] == [["C/0", "C/1"]]
-    assert pool.counts["drift_calls"] == 3 and pool.counts["drift_scored"] == 6
-    assert pool.rejections == {}
+    pool.add_group([traj("G/0", "G", [(11, 1)], 11)])
+    pool.add_group([traj("H/0", "H", [(11, 1)], 11)])
+    # v 11, P = 4 (E, F, G, H), K = 1: a new version re-scores the GS > 0 member still pooled.
+    # E/0 alone is scored: pct 0.5; E ((1 + 0.5^4·0.5) + 1)/2 = 1.015625 > F 1 > G, H 0.
+    assert ids(pool.select(1, 11, drift)) == ["F"] and pool.rejected_ids[4:] == ["E/0", "E/1"]
+    assert drift.calls[2:] == [["E/0"]]
+    assert pool.counts["drift_calls"] == 3 and pool.counts["drift_scored"] == 5
 
 
-def test_pace_draws_freshest_and_breaks_ties_by_arrival() -> None:
-    pool = pool_of(FilterConfig(name="pace", target_groups=100))
+def test_pace_ties_are_rejected_latest_first_and_the_rest_drawn_in_arrival_order() -> None:
+    pool = pool_of(FilterConfig(name="pace", target_groups=3, ema=0.0))
     pool.add_group([traj("F/0", "F", [(10, 1)], 10)])  # score 0, like D but later
-    assert ids(pool.select(3, 10, RecordingDrift(DRIFT))) == ["D", "F", "B"]
+    # P = 5: e = 2/5, K = 2 rejects A (2) and C (1.125); B (0.25), D and F (0) drawn in arrival order
+    assert ids(pool.select(3, 10, RecordingDrift(DRIFT))) == ["B", "D", "F"]
+    assert pool.rejected_ids == ["A/0", "A/1", "C/0", "C/1"]
+    tied = pool_of(FilterConfig(name="pace", target_groups=1, ema=0.0), [hand_groups()[3]])
+    tied.add_group([traj("F/0", "F", [(10, 1)], 10)])  # P = 2, K = 1: D and F tie at 0
+    assert ids(tied.select(1, 10)) == ["D"] and tied.rejected_ids == ["F/0"]
+
+
+def test_pace_at_or_below_target_leaves_no_group_behind() -> None:
+    """Four groups pooled, then two in and two out per step at occupancy 6 <= P* = 8 (K = 0 throughout):
+    every group leaves within ⌈P/b⌉ = ⌈6/2⌉ = 3 selects of its arrival, so none waits more than 3
+    versions, the first four included."""
+    pool = TrajectoryPool(FilterConfig(name="pace", target_groups=8))
+    arrived: dict[str, int] = {}
+    for n in range(4):
+        pool.add_group([traj(f"g{n}/0", f"g{n}", [(0, 2)], 0)])
+        arrived[f"g{n}"] = 0
+    waits = []
+    for v_now in range(1, 41):
+        for n in range(4 + 2 * (v_now - 1), 4 + 2 * v_now):
+            pool.add_group([traj(f"g{n}/0", f"g{n}", [(v_now - 1, 2)], v_now - 1)])
+            arrived[f"g{n}"] = v_now - 1
+        assert len(pool) == 6
+        for group in pool.select(2, v_now, random_scores):
+            waits.append(v_now - group[0].completed_version)  # type: ignore[operator]
+            assert v_now - arrived[group[0].group_id] <= 3, (group[0].group_id, v_now)
+    assert pool.last_budget == 0 and not pool.rejections
+    assert set(pool.group_ids()) == {"g80", "g81", "g82", "g83"}  # the last arrivals, nothing older
+    assert max(waits) == 3 and len(waits) == 80
+
+
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [("none", 8), ("max_age", 8), ("admission", 8), ("pace", 8), ("pace", 3), ("pace", 1)],
+)
+def test_every_group_leaves_the_pool_within_the_bound(name: FilterName, target: int) -> None:
+    """`select`'s bound: a group that arrives with a groups ahead of it leaves (drawn or rejected) by the
+    ⌈(a + 1)/m⌉-th select after its arrival, m = min(b, P*) under PACE and b otherwise; driven through
+    400 steps whose arrivals (0 to 2b a step, b on average) match the b drawn a step."""
+    rng = random.Random(7)
+    batch = 4
+    pool = TrajectoryPool(FilterConfig(name=name, max_age=3, target_groups=target, ema=0.5))
+    m = min(batch, target) if name == "pace" else batch
+    deadline: dict[str, int] = {}  # group -> the last select it may still be pooled before
+    number = 0
+    for select in range(400):
+        v_now = 3 + select
+        for _ in range(rng.randint(0, 2 * batch)):
+            group = random_group(rng, number, v_now)
+            number += 1
+            deadline[group[0].group_id] = select + math.ceil((len(pool) + 1) / m)
+            pool.add_group(group)
+        before = set(pool.group_ids())
+        pool.select(batch, v_now, random_scores)
+        for group_id in before - set(pool.group_ids()):  # drawn or rejected by this select
+            assert select < deadline.pop(group_id), (group_id, select)
+    assert all(deadline[group_id] >= 400 for group_id in pool.group_ids())  # none overdue
+    assert number > 1000 and (name in ("none", "admission") or pool.rejections)
 
 
 def test_max_age_rejects_groups_with_an_old_token_then_fifo() -> None:
@@ -445,16 +522,20 @@ def test_state_dict_round_trip_is_exact() -> None:
     pool = pool_of(config, [*hand_groups(), [traj("E/0", "E", [(6, 2), (9, 1)], 9)]])
     pool.select(1, 10, RecordingDrift(DRIFT | {"E/0": 0.2}))
     state = json.loads(json.dumps(pool.state_dict(), allow_nan=False))
-    # P = 5: e = 0.5·(3/5) = 0.3, K = round(1.5) = 2 rejects A and C; D is drawn; B/0 and E/0 stay
-    # pooled with their scores at v 10
-    assert [entry[0] for entry in state["drift"]] == ["B/0", "E/0"]
+    # P = 5: e = 0.5·(3/5) = 0.3, K = round(1.5) = 2 rejects A and C; B is drawn; D and E stay
+    # pooled, E/0 with its score at v 10
+    assert [entry[0] for entry in state["drift"]] == ["E/0"]
     restored = TrajectoryPool(config)
     restored.load_state_dict(state)
     assert restored.state_dict() == state
     assert len(restored) == len(pool) and restored.num_trajectories == pool.num_trajectories
     assert (restored.budget_ema, restored.accepted_groups) == (pool.budget_ema, pool.accepted_groups)
-    # the cache came back: the same select on both, at the same version, calls no scorer
-    assert ids(restored.select(2, 10, no_drift_call)) == ids(pool.select(2, 10, no_drift_call))
+    # the cache came back: the same select on both, at the same version and over target (E/0's score
+    # ranks the rejection), calls no scorer
+    for either in (pool, restored):
+        either.add_group([traj("G/0", "G", [(10, 1)], 10)])
+    assert ids(restored.select(2, 10, no_drift_call)) == ids(pool.select(2, 10, no_drift_call)) == ["D", "G"]
+    assert restored.rejected_ids[-1:] == pool.rejected_ids[-1:] == ["E/0"]
     assert restored.state_dict() == pool.state_dict()
     restored.add_group([traj("H/0", "H", [(10, 1)], 10)])
     assert restored.accepted_groups == pool.accepted_groups + 1
@@ -473,7 +554,7 @@ def test_load_state_dict_rejects_a_bad_state_and_keeps_the_pool() -> None:
 
 
 def test_bad_input_raises() -> None:
-    pool = pool_of(FilterConfig())
+    pool = pool_of(FilterConfig(target_groups=2, ema=0.0))  # K = 2: the drift scorer is asked
     running = Trajectory.start("R/0", "R", "task", [1])
     with pytest.raises(ValueError, match="unfinished"):
         pool.add_group([running])

@@ -161,7 +161,8 @@ class Run:
             self._launch(group_id, task, members)
         self._saved_in_flight = {}
         while True:
-            room = self.pool.admission(self.learner.version, len(self._running), self.config.batch_groups)
+            # Steps, not versions: a skipped step consumed its batch without moving the version.
+            room = self.pool.admission(self.step, len(self._running), self.config.batch_groups)
             for _ in range(room):
                 self._launch(*self.cursor.next())
             if not self._running:
@@ -193,7 +194,8 @@ class Run:
 
     async def next_batch(self) -> list[list[Trajectory]]:
         """Async mode: wait for enough groups, then let the filter reject and draw a batch ([] when a
-        stop is requested meanwhile)."""
+        stop is requested meanwhile). Never waits for a batch that cannot come: a RuntimeError of one
+        line names the cause (`stalled`)."""
         while True:
             if self._failure is not None and not isinstance(self._failure, asyncio.CancelledError):
                 raise RuntimeError(f"rollout production failed: {self._failure!r}") from self._failure
@@ -206,9 +208,49 @@ class Run:
                 )
                 if groups:
                     return groups
+            stalled = self.stalled()
+            if stalled is not None:
+                raise RuntimeError(f"no batch can ever form at step {self.step + 1}: {stalled}")
             self._pool_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._pool_changed.wait(), timeout=0.05)
+
+    def stalled(self) -> str | None:
+        """Why no batch can ever form, or None while one still may (async mode, checked by the trainer
+        each time it finds no batch to draw).
+
+        Nothing but a finished rollout or a trained step changes what the trainer waits on, and a step
+        needs a batch, so two states are final: (1) the pool is short of a batch, nothing is in flight
+        and admission starts nothing (the producer is blocked for good), e.g. an `admission` pool
+        restored into a run with a smaller `batch_groups`; (2) `max_age` while the engine's weights lag
+        the trainer by more than `max_age` versions: every token pooled or still to come is older than
+        the cap, so every group is rejected, and the weights are published only after a step.
+        """
+        config, pool, filter_config = self.config, self.pool, self.pool.config
+        lag = self.learner.version - self.engine.version
+        if filter_config.name == "max_age" and lag > filter_config.max_age:
+            return (
+                f"filter.max_age={filter_config.max_age} rejects every group, because the engine serves "
+                f"version {self.engine.version} until the next publication (every "
+                f"loop.sync_interval={config.sync_interval} updates) and the trainer is at version "
+                f"{self.learner.version}; set filter.max_age >= loop.sync_interval - 1"
+            )
+        if len(pool) >= config.batch_groups or self._running or self._saved_in_flight:
+            return None
+        if pool.admission(self.step, 0, config.batch_groups) > 0:
+            return None
+        detail = ""
+        if filter_config.name == "admission":
+            cap = (filter_config.max_offpolicyness + self.step + 1) * config.batch_groups
+            detail = (
+                f" (it allows (filter.max_offpolicyness + steps + 1)·loop.batch_groups = {cap} groups "
+                f"after {self.step} steps and {pool.accepted_groups} were accepted already; was the run "
+                f"resumed with a smaller loop.batch_groups?)"
+            )
+        return (
+            f"the pool holds {len(pool)} of the {config.batch_groups} groups a batch needs, no rollout is "
+            f"in flight and the {filter_config.name} filter admits none{detail}"
+        )
 
     # -- train and publish ----------------------------------------------------------------------------
 

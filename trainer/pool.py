@@ -12,8 +12,9 @@ what is thrown away (`FilterConfig.name`):
 - `pace`: PACE (arXiv 2609.36830): each step an EMA of the pool's excess occupancy over a target sets a
   rejection budget K_t (`pace_budget`); the K_t groups with the largest effective staleness
   S_eff = WS + pct(F)^γ·GS are rejected (`effective_staleness`, `prefix_drift`, `percentile_ranks`) and
-  the freshest groups are drawn. Budget, score and ranking are reconstructions [R] of the paper's
-  mechanism from its abstract and a digest; see each function.
+  the batch is drawn from the rest in arrival order (FIFO). Budget, score, ranking and draw order are
+  reconstructions [R] of the paper's mechanism from its abstract and a digest; see each function and
+  `TrajectoryPool.select`.
 
 Groups, not trajectories, are the unit of admission, rejection and drawing, so group-normalised
 advantages (GRPO) always see every member of a group. The PACE paper does not say how it handles groups
@@ -96,10 +97,13 @@ class FilterConfig:
     """max_age: a group is rejected when any member has a token with v_now − v_t > max_age (prime-rl's
     async level, NeMo-RL's age cap). >= 0."""
     max_offpolicyness: int = 4
-    """admission: AReaL's η (`rollout.max_head_offpolicyness`); 0 is synchronous training. >= 0."""
+    """admission: AReaL's η (`rollout.max_head_offpolicyness`); 0 is synchronous training. Counted in
+    training steps, skipped ones included (`admission_capacity`), so a skipped step never closes
+    admission. >= 0."""
     target_groups: int = 8
     """pace: P*, the target pool occupancy in groups; occupancy above it builds the rejection budget.
-    >= 1."""
+    Batches are drawn in arrival order, so at occupancy P a group waits at most ⌈P/batch⌉ steps
+    (`TrajectoryPool.select`). >= 1."""
     ema: float = 0.9
     """pace: β, the EMA factor of the excess-occupancy rate e_t, in [0, 1) (0: no smoothing)."""
     gamma: float = 4.0
@@ -124,7 +128,7 @@ class FilterConfig:
 
 def admission_capacity(
     *,
-    v_now: int,
+    trainer_steps: int,
     running_groups: int,
     accepted_groups: int,
     batch_groups: int,
@@ -134,20 +138,30 @@ def admission_capacity(
     """How many new groups the rollout side may start: AReaL's `StalenessManager.get_capacity`
     (arXiv 2505.24298; inclusionAI/AReaL `staleness_manager.py`) in group units,
 
-        max(0, min(max_concurrent − running, (η + v_now + 1)·B − (accepted + running))).
+        max(0, min(max_concurrent − running, (η + s + 1)·B − (accepted + running))),
 
-    `accepted_groups` counts every group ever accepted into the pool since the start of the run (drawn
-    ones included): by version v the trainer has consumed (v + 1)·B groups, so capping everything ever
-    produced at (η + v + 1)·B keeps what is started now within η versions of the trainer. AReaL may
-    return a negative number; it is floored at 0 here.
+    with s = `trainer_steps`, the training steps completed, updated or skipped. `accepted_groups` counts
+    every group ever accepted into the pool since the start of the run (drawn ones included). After s
+    steps the trainer has consumed s·B groups, so capping everything ever produced at (η + s + 1)·B lets
+    at most (η + 1)·B groups be in flight, pooled or in training at once, and a group started now is in
+    one of the next η + 1 batches (when groups finish in the order they start): it is trained at most
+    η steps later, so at most η policy versions later.
+
+    AReaL writes the trainer version v where s stands here, because there every step moves the version.
+    Here a skipped step (a batch without signal, non-finite values: `StepResult.updated` False) consumes
+    its B groups but leaves the version where it was; counted in versions, each skip would shrink the
+    capacity by B for the rest of the run, and with η = 0 one skip (η + 1 skips in general) would close
+    it for good with nothing left to train on. Counting steps keeps AReaL's bound (the version moves at
+    most once per step) and its value whenever no step is skipped. AReaL may return a negative number;
+    it is floored at 0 here.
     """
-    v_now = _check_int("v_now", v_now, 0)
+    steps = _check_int("trainer_steps", trainer_steps, 0)
     running = _check_int("running_groups", running_groups, 0)
     accepted = _check_int("accepted_groups", accepted_groups, 0)
     batch = _check_int("batch_groups", batch_groups, 1)
     concurrent = _check_int("max_concurrent_groups", max_concurrent_groups, 1)
     eta = _check_int("max_offpolicyness", max_offpolicyness, 0)
-    return max(0, min(concurrent - running, (eta + v_now + 1) * batch - (accepted + running)))
+    return max(0, min(concurrent - running, (eta + steps + 1) * batch - (accepted + running)))
 
 
 def pace_budget(*, occupancy: int, target: int, ema: float, previous: float) -> tuple[float, int]:
@@ -543,20 +557,22 @@ class TrajectoryPool:
 
     # -- admission and drawing ---------------------------------------------------------------------------
 
-    def admission(self, v_now: int, running_groups: int, batch_groups: int) -> int:
-        """How many new groups the rollout side may start now: AReaL's `admission_capacity` under the
-        `admission` filter, otherwise only the concurrency cap, max(0, max_concurrent − running)."""
+    def admission(self, trainer_steps: int, running_groups: int, batch_groups: int) -> int:
+        """How many new groups the rollout side may start now, `trainer_steps` training steps into the
+        run (updated or skipped; not the policy version, which a skipped step leaves where it was):
+        AReaL's `admission_capacity` under the `admission` filter, otherwise only the concurrency cap,
+        max(0, max_concurrent − running)."""
         config = self.config
         if config.name == "admission":
             return admission_capacity(
-                v_now=v_now,
+                trainer_steps=trainer_steps,
                 running_groups=running_groups,
                 accepted_groups=self.accepted_groups,
                 batch_groups=batch_groups,
                 max_concurrent_groups=config.max_concurrent_groups,
                 max_offpolicyness=config.max_offpolicyness,
             )
-        _check_int("v_now", v_now, 0)
+        _check_int("trainer_steps", trainer_steps, 0)
         _check_int("batch_groups", batch_groups, 1)
         return max(0, config.max_concurrent_groups - _check_int("running_groups", running_groups, 0))
 
@@ -568,15 +584,35 @@ class TrajectoryPool:
         `none`, `admission`: nothing rejected; the oldest groups first (FIFO). `max_age`: groups with a
         token older than `max_age` versions are rejected (reason `max_age`); FIFO. `pace`: e_t and K_t
         from the occupancy before drawing (`pace_budget`), groups scored by the mean S_eff of their
-        members, the K_t highest-scored rejected (reason `pace_budget`), then the lowest-scored drawn
-        (ties: earlier arrival first); the draw is returned in that order.
+        members, the K_t highest-scored rejected (reason `pace_budget`; score ties: the earlier arrival
+        stays), then the batch drawn from the rest in arrival order (FIFO), returned in that order.
+
+        PACE's draw order [R]. ALGORITHMS.md §6 says only "reject the K_t trajectories with the largest
+        S_eff, then draw the training batch"; it does not say in which order. The statement followed is
+        the budget's motivation, Little's law, "wait ≈ occupancy / consumption rate". Little's law
+        alone holds on average under any order; it holds for each group when groups are drawn in
+        arrival order, since a group then waits only for the groups ahead of it, so that keeping the
+        occupancy near P* keeps every group's waiting staleness near P*/B. S_eff decides what is
+        rejected, not what is drawn first. (Drawing the lowest S_eff first, as an earlier version did,
+        left the oldest groups in a pool at or below its target for ever: K_t = 0 there, and fresher
+        groups kept being drawn ahead of them.)
+
+        Bound (every filter draws FIFO among the groups it keeps): a select with `batch_groups` = b
+        draws min(b, P − K) groups, P the groups pooled, and under PACE P − K ≥ min(P, P*); with
+        m = b for `none`, `admission` and `max_age` and m = min(b, P*) for `pace`, each select draws at
+        least m groups from the front of the arrival order or empties the pool of what it keeps. A group
+        that arrives with a groups ahead of it therefore leaves the pool (drawn, or rejected) by the
+        ⌈(a + 1)/m⌉-th select after its arrival, whatever the rejections and arrivals in between (later
+        arrivals queue behind it). With m = b (the run config keeps P* >= b), in = out = b per step and
+        occupancy P before each select, that is ⌈P/b⌉ selects: a group's waiting staleness grows by at
+        most ⌈P/b⌉ versions while it is pooled (the version moves at most once per step).
 
         `drift` (pace only; ignored by the other filters) re-scores trajectories under the current
-        policy. It is called at most once per select, with only the members that have GS > 0 (for
-        GS = 0 the weight is irrelevant) and no score cached at this `v_now`, in arrival order. Without
-        it, such members rank with pct = 1 (their full GS counts, the conservative choice) and are
-        counted in `counts["drift_unscored"]`. Percentiles are taken among all GS > 0 members scored at
-        this version.
+        policy. Scores only rank rejections, so it is called only when K_t > 0, at most once per
+        select, with only the members that have GS > 0 (for GS = 0 the weight is irrelevant) and no
+        score cached at this `v_now`, in arrival order. Without it, such members rank with pct = 1
+        (their full GS counts, the conservative choice) and are counted in `counts["drift_unscored"]`.
+        Percentiles are taken among all GS > 0 members scored at this version.
         """
         batch_groups = _check_int("batch_groups", batch_groups, 1)
         v_now = self._checked_version(v_now)
@@ -655,17 +691,19 @@ class TrajectoryPool:
     ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
         """(rejected, drawn) group positions (indices into `starts`) under PACE."""
         config, cols = self.config, self._cols
+        occupancy = int(starts.size)
+        rate, budget = pace_budget(
+            occupancy=occupancy, target=config.target_groups, ema=config.ema, previous=self.budget_ema
+        )
+        if not budget:  # nothing to reject: the scores would rank nothing, so nobody is scored
+            self.budget_ema, self.last_budget = rate, 0
+            return np.zeros(0, dtype=np.intp), np.arange(min(batch_groups, occupancy))
         gs = cols.gs[rows]
         stale_at = np.flatnonzero(gs > 0)  # members whose drift weight matters (positions in `rows`)
         stale = rows[stale_at]
-        if drift is not None:  # first: a failing scorer must leave the EMA state as it was
+        if drift is not None:  # before the EMA moves: a failing scorer must leave its state as it was
             self._score(stale[cols.drift_version[stale] != v_now], v_now, drift)
-        occupancy = int(starts.size)
-        self.budget_ema, self.last_budget = pace_budget(
-            occupancy=occupancy, target=config.target_groups, ema=config.ema, previous=self.budget_ema
-        )
-        if not occupancy:
-            return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
+        self.budget_ema, self.last_budget = rate, budget
         scored = cols.drift_version[stale] == v_now
         pct = np.ones(stale.size)  # unscored: the full GS counts
         pct[scored] = percentile_ranks(cols.drift[stale[scored]])
@@ -675,8 +713,11 @@ class TrajectoryPool:
         s_eff = (v_now - cols.v_done[rows]).astype(np.float64)
         s_eff[stale_at] = effective_staleness(s_eff[stale_at], gs[stale_at], pct, config.gamma)
         score = np.add.reduceat(s_eff, starts) / np.diff(starts, append=rows.size)
-        # groups are in arrival order, so position order breaks score ties by arrival
-        return _order_ends(score, min(batch_groups, occupancy - self.last_budget), self.last_budget)
+        # groups are in arrival order, so of tied scores the later arrival is rejected
+        rejected, _ = _order_ends(score, 0, self.last_budget)
+        kept = np.ones(occupancy, dtype=np.bool_)
+        kept[rejected] = False
+        return rejected, np.flatnonzero(kept)[:batch_groups]  # FIFO draws: see `select`
 
     def _record_rejections(self, reason: str, group_ids: Sequence[str]) -> None:
         ids = [t.id for group_id in group_ids for t in self._trajectories[slice(*self._groups[group_id])]]

@@ -1129,7 +1129,7 @@ class _Simulation:
             self.round_open = True
             room = config.sync_interval * config.batch_groups
         else:
-            room = self.pool.admission(self.version, len(self.running_groups), config.batch_groups)
+            room = self.pool.admission(self.stats.steps, len(self.running_groups), config.batch_groups)
             if room and len(self.pool) >= config.pool_cap:
                 if self.held_since is None:
                     self.held_since = self.now
