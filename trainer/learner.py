@@ -189,8 +189,9 @@ class StepResult:
     metrics: dict[str, float]
     """Per-step figures: reward, accuracy, entropy, grad_norm, clip_fraction, sat_gate_rate (share
     gated), sat_active_rate (share where SAT's contracted bound was the active term: where it changed the
-    gradient), sat_contraction, mismatch, routing_disagreement, r3_coverage, updates, skipped_updates,
-    tokens, tokens_per_s, ..."""
+    gradient), sat_contraction, mismatch, routing_disagreement, r3_coverage (share of the inputs the
+    trained tokens depend on, prompt, tool and model positions, whose routing was replayed), updates,
+    skipped_updates, tokens, tokens_per_s, ..."""
     trajectory_ids: tuple[str, ...]
     """Every trajectory of the batch (trained on or skipped: none of them will be seen again)."""
 
@@ -523,7 +524,7 @@ class Learner:
                         "mismatch": float(log_ratio.abs().mean()),
                         "mismatch_fresh": float(log_ratio[fresh].abs().mean()) if bool(fresh.any()) else 0.0,
                         "routing_disagreement": stats.disagreement if stats is not None else 0.0,
-                        "r3_coverage": _replayed_share(batch, chunk_tokens) if stats is not None else 0.0,
+                        "r3_coverage": batch.replay_coverage() if stats is not None else 0.0,
                     },
                     chunk_tokens,
                 )
@@ -682,14 +683,6 @@ class Learner:
         for parameter in reference.parameters():
             parameter.requires_grad_(False)
         return reference
-
-
-def _replayed_share(batch: TokenBatch, tokens: int) -> float:
-    """Share of trained tokens whose producing forward replayed a recorded route."""
-    if batch.replay is None or not tokens:
-        return 0.0
-    # Input position t replays the route that produced token t + 1, the target at index t.
-    return float((batch.replay[:, :-1] & batch.loss_mask).sum()) / tokens
 
 
 def _padded(rows: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tensor:
