@@ -254,6 +254,13 @@ class RunConfig:
                 f"filter.target_groups ({self.filter.target_groups}) must be >= loop.batch_groups "
                 f"({self.loop.batch_groups}): below one batch PACE rejects groups the trainer is waiting for"
             )
+        lag = self.loop.sync_interval - 1
+        if self.loop.mode == "async" and self.filter.name == "max_age" and self.filter.max_age < lag:
+            raise ValueError(
+                f"filter.max_age ({self.filter.max_age}) must be >= loop.sync_interval - 1 ({lag}): between "
+                "publications the engine's weights lag the trainer's by up to that many versions, so every "
+                "group would be rejected"
+            )
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.runtime not in ("local", "ray"):

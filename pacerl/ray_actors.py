@@ -109,13 +109,18 @@ class EngineActor:
         sampling: SamplingParams,
         request_id: str | None,
         return_routed_experts: bool,
+        routed_experts_start_len: int = 0,
     ) -> Generation:
         if not self.serving:
             raise ReplicaNotReady("this engine replica has not been synced since it started")
         self.outstanding += 1
         try:
             return await self.engine.generate(
-                input_ids, sampling, request_id=request_id, return_routed_experts=return_routed_experts
+                input_ids,
+                sampling,
+                request_id=request_id,
+                return_routed_experts=return_routed_experts,
+                routed_experts_start_len=routed_experts_start_len,
             )
         finally:
             self.outstanding -= 1

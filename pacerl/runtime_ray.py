@@ -341,9 +341,11 @@ class EngineRouter:
         request_id: str | None = None,
         return_routed_experts: bool = False,
         session: str | None = None,
+        routed_experts_start_len: int = 0,
     ) -> Generation:
         """Generate on the session's replica (a new session: the least loaded one); a generation lost
-        with its replica is sent again, from the same tokens, to a live one."""
+        with its replica is sent again, from the same tokens, to a live one. Routes are returned from
+        input position `routed_experts_start_len` on (`agents.engine.protocol.EngineWithRoutesStart`)."""
         request_id = request_id or uuid.uuid4().hex
         tokens = list(input_ids)
         while True:
@@ -354,7 +356,7 @@ class EngineRouter:
             self._requests[request_id] = slot
             try:
                 generation: Generation = await slot.handle.generate.remote(
-                    tokens, sampling, request_id, return_routed_experts
+                    tokens, sampling, request_id, return_routed_experts, routed_experts_start_len
                 )
                 return generation
             except (RayActorError, ReplicaNotReady) as error:

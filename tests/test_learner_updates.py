@@ -260,3 +260,9 @@ def test_training_refuses_truncated_sampling_and_takes_the_update_plan_from_the_
     assert config.learner.advantage_std == "unbiased"
     with pytest.raises(ConfigError, match="minibatches"):
         load_config(None, ["learner.minibatches=0"])
+
+
+def test_a_max_age_below_the_publication_lag_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"filter\.max_age \(0\) must be >= loop\.sync_interval - 1 \(2\)"):
+        load_config(None, ["filter.name=max_age", "filter.max_age=0", "loop.sync_interval=3"])
+    assert load_config(None, ["filter.name=max_age", "filter.max_age=2", "loop.sync_interval=3"])
