@@ -270,7 +270,11 @@ def _pool_figure(metrics: RunMetrics, run_dir: Path) -> Figure:
 def _sat_figure(metrics: RunMetrics, run_dir: Path) -> Figure:
     figure, grid = _grid(metrics, 2, 2)
     panels: tuple[tuple[Axes, str, list[str]], ...] = (
-        (grid[0], "SAT gate rate and clip fraction", ["sat_gate_rate", "clip_fraction"]),
+        (
+            grid[0],
+            "SAT gate and active rates, clip fraction",
+            ["sat_gate_rate", "sat_active_rate", "clip_fraction"],
+        ),
         (grid[1], "SAT mean contraction", ["sat_contraction"]),
         (grid[2], "mismatch |log π_θ − log μ|", ["mismatch", "mismatch_fresh"]),
         (grid[3], "routing disagreement (share of routes)", ["routing_disagreement"]),

@@ -103,6 +103,7 @@ def summarise(run_dir: Path) -> dict[str, Any]:
         "ws_hist": ws,
         "clip_fraction": mean("clip_fraction"),
         "sat_gate_rate": mean("sat_gate_rate"),
+        "sat_active_rate": mean("sat_active_rate"),
         "mismatch": mean("mismatch"),
         "routing_disagreement": mean("routing_disagreement"),
         "rejected": {k.removeprefix("rejected/"): v for k, v in last.items() if k.startswith("rejected/")},
