@@ -12,13 +12,14 @@ import gymnasium
 
 from envs.base import EpisodeLost, ToolEnv, ToolEnvConfig
 from envs.parsing import Parsed, ParseError, ToolCall, extract_boxed, extract_tag, parse_actions
+from envs.registry import env_class, tool_env_ids
 from envs.rewards import Reward
 from envs.spaces import ChatMessages, Message, UnicodeText
 from envs.tasks import Task, load_tasks
 from envs.tools import TOOLS, SandboxPolicy, Tool, ToolContext, ToolError, get_tool, tool
 
 ENV_IDS = ("pacerl/CodeMath-v0", "pacerl/Search-v0", "pacerl/Math-v0")
-"""Every environment this package registers."""
+"""Every environment this package registers (a user's module registers its own: `env_class`)."""
 
 for _env_id, _entry_point in zip(
     ENV_IDS, ("envs.code_math:CodeMathEnv", "envs.search:SearchEnv", "envs.math:MathEnv"), strict=True
@@ -44,10 +45,12 @@ __all__ = [
     "ToolEnvConfig",
     "ToolError",
     "UnicodeText",
+    "env_class",
     "extract_boxed",
     "extract_tag",
     "get_tool",
     "load_tasks",
     "parse_actions",
     "tool",
+    "tool_env_ids",
 ]

@@ -4,16 +4,27 @@ the new chat messages; subclasses say which tools exist, how a task is posed, an
 The rollout side awaits `astep` so that hundreds of episodes step concurrently on one loop; `step` is
 its sync face. Model output never raises here: malformed calls, unknown tools, bad arguments, tool
 timeouts and dead services all become tool messages the model reads, flagged in `info`.
+
+What training and evaluation ask of an env class, every part optional (the rest of the platform names
+no env; a user's env registered as `their_module:Name-v0` gets the same treatment as the shipped ones):
+
+- `default_config()`: the `ToolEnvConfig` a run starts from before it sets the episode limits;
+- `validation_tasks`: the shipped validation set `pacerl eval` and a run's evaluations use by default;
+- `warm_start_steps` and `demonstration(task, style, rng)`: the demonstration styles the env writes,
+  with their default SFT steps, and the turns of one demonstration (none: no warm start);
+- `services(settings)`: what the env's tools need started for a run (the Search env's retriever).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import gymnasium
 
@@ -67,6 +78,13 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
     metadata: dict[str, Any] = {"render_modes": ["ansi"], "render_fps": 1}  # noqa: RUF012 (Gymnasium's name)
     tool_names: tuple[str, ...] = ()
     """Names of the registered tools this env offers."""
+    validation_tasks: ClassVar[str | None] = None
+    """The shipped validation set (a `load_tasks` name or path) that `pacerl eval` and a run's
+    evaluations use when no tasks are named; None: they must be named."""
+    warm_start_steps: ClassVar[Mapping[str, int]] = {}
+    """The demonstration styles `demonstration` writes, each with its default SFT steps for a fresh
+    model; the first is the default style. Empty: no demonstrations (a fresh model trains without a
+    warm start)."""
 
     def __init__(
         self,
@@ -90,6 +108,26 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
         self._done = True
         self._transcript: list[Message] = []
         self._reset_counters()
+
+    # -- what training and evaluation ask of the class (optional) ------------------------------------------
+
+    @classmethod
+    def default_config(cls) -> ToolEnvConfig:
+        """The config a run starts from for this env, before it sets the episode limits and prompt."""
+        return ToolEnvConfig()
+
+    @classmethod
+    def services(cls, settings: Mapping[str, Any]) -> contextlib.AbstractContextManager[Mapping[str, Any]]:
+        """Start what this env's tools need for a run unless `settings` (the tool settings the run was
+        given) already point at it; the context yields the tool settings to add and stops what it
+        started on exit. Default: nothing to start."""
+        return contextlib.nullcontext({})
+
+    def demonstration(self, task: Task, style: str, rng: random.Random) -> list[Message]:
+        """The assistant and tool turns of a correct episode on `task` after `initial_messages(task)`,
+        written in `style` (a key of `warm_start_steps`); `rng` makes any random choice. Tool turns hold
+        what the tool would return."""
+        raise NotImplementedError(f"{type(self).__name__} writes no demonstrations")
 
     # -- what a subclass decides -------------------------------------------------------------------------
 

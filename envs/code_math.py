@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import random
+import re
 from collections.abc import Sequence
 
 from envs.base import ToolEnv, ToolEnvConfig
@@ -47,6 +50,10 @@ class CodeMathEnv(ToolEnv):
     """
 
     tool_names = ("python",)
+    validation_tasks = "codemath-val"
+    # The teacher opens LEARNABILITY.md's behaviour gap; its 300 steps put the gap in place. Clean
+    # demonstrations stop at 75 (the skill gap: greedy accuracy 30-50%).
+    warm_start_steps = {"teacher": 300, "clean": 75}  # noqa: RUF012 (a ClassVar of the base)
 
     def __init__(
         self,
@@ -61,3 +68,41 @@ class CodeMathEnv(ToolEnv):
 
     def score(self, task: Task, final_message: str) -> Reward:
         return boxed_math_reward(final_message, task.answers, self.config.format_weight)
+
+    def demonstration(self, task: Task, style: str, rng: random.Random) -> list[Message]:
+        """`clean`: a python call `print(EXPR)`, its output, then `\\boxed{N}`. `teacher`: the same, but on
+        easy problems (an operand of at most two digits) the answer comes directly, correctly, with
+        probability `TEACHER_DIRECT_P`: a student copies the habit but cannot do the arithmetic, so RL
+        has a tool-use behaviour to learn (LEARNABILITY.md's behaviour gap)."""
+        if style not in self.warm_start_steps:
+            styles = ", ".join(self.warm_start_steps)
+            raise ValueError(f"{type(self).__name__} writes {styles} demonstrations, not {style!r}")
+        direct = style == "teacher" and is_easy(task) and rng.random() < TEACHER_DIRECT_P
+        return code_math_turns(task, direct=direct)
+
+
+_ARITHMETIC_RE = re.compile(r"^What is ([0-9][0-9 +*()-]*)\?$")
+TEACHER_DIRECT_P = 0.8
+"""Chance that the "teacher" answers an easy problem directly instead of calling the tool."""
+
+
+def code_math_turns(task: Task, *, direct: bool = False) -> list[Message]:
+    """The assistant and tool turns of a CodeMath demonstration: `print(EXPR)` through the python tool
+    (whose output is the answer) and `\\boxed{N}`; `direct`: only the boxed answer."""
+    match = _ARITHMETIC_RE.match(task.question)
+    if match is None or "**" in match.group(1):
+        raise ValueError(f"task {task.id!r} is not a 'What is EXPR?' arithmetic question: {task.question!r}")
+    answer: Message = {"role": "assistant", "content": f"\\boxed{{{task.answer}}}"}
+    if direct:
+        return [answer]
+    call = {"name": "python", "arguments": {"code": f"print({match.group(1)})"}}
+    return [
+        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+        {"role": "tool", "name": "python", "content": task.answer},
+        answer,
+    ]
+
+
+def is_easy(task: Task) -> bool:
+    """LEARNABILITY.md's "easy" arithmetic problem: one of its operands has at most two digits."""
+    return any(len(operand) <= 2 for operand in re.findall(r"\d+", task.question))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -38,6 +39,8 @@ class MathEnv(ToolEnv):
     """
 
     tool_names = ()
+    validation_tasks = "math-val"
+    warm_start_steps = {"clean": 75}  # noqa: RUF012 (a ClassVar of the base)
 
     def __init__(
         self,
@@ -53,3 +56,9 @@ class MathEnv(ToolEnv):
 
     def score(self, task: Task, final_message: str) -> Reward:
         return boxed_math_reward(final_message, task.answers, self.config.format_weight)
+
+    def demonstration(self, task: Task, style: str, rng: random.Random) -> list[Message]:
+        """`clean`: `\\boxed{N}` directly."""
+        if style != "clean":
+            raise ValueError(f"{type(self).__name__} writes clean demonstrations, not {style!r}")
+        return [{"role": "assistant", "content": f"\\boxed{{{task.answer}}}"}]

@@ -40,9 +40,11 @@ import contextlib
 import dataclasses
 import json
 import logging
+import socket
+import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -384,3 +386,39 @@ def serve(
     # No access log: a training run sends thousands of queries a second, a line each would be the
     # server's main cost and bury the lines that matter.
     run_server(app, host, port, guard, log_level="info", access_log=False)
+
+
+LOCAL_START_S = 30.0
+"""How long `local_retriever` waits for its server to listen before it gives up."""
+
+
+@contextlib.contextmanager
+def local_retriever(corpus: str | Path | None = None) -> Iterator[str]:
+    """A Search-R1 `/retrieve` server (BM25 over `corpus`, default the shipped search corpus) on a free
+    loopback port, on a daemon thread of this process; yields its URL and stops it on exit. On its own
+    thread uvicorn leaves the process's signal handlers alone, so Ctrl-C still reaches the caller."""
+    import uvicorn
+
+    from envs.tasks import DATA_DIR
+
+    path = Path(corpus) if corpus is not None else DATA_DIR / "search-corpus.jsonl"
+    app = create_app(BM25Index.from_jsonl(path), source=f" from {path}")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))  # the kernel picks a free port: no race with a probe-then-bind
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [listener]}, name="local-retriever", daemon=True
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + LOCAL_START_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the in-process retriever over {path} did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        listener.close()

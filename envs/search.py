@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
+import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from envs.base import ToolEnv, ToolEnvConfig
 from envs.parsing import Parsed, ToolCall
+from envs.retriever import BM25Index, local_retriever
 from envs.rewards import Reward, answer_tag_reward
 from envs.spaces import Message
-from envs.tasks import Task, load_tasks
+from envs.tasks import DATA_DIR, Task, load_tasks
+from envs.tools.core import get_tool
+from envs.tools.search import format_documents
 
 SYSTEM_PROMPT = (
     "Answer the question. If you lack knowledge, search for it: call the search tool with "
@@ -57,6 +65,26 @@ class SearchEnv(ToolEnv):
     """
 
     tool_names = ("search",)
+    validation_tasks = "search-val"
+    # Copying the answer out of a passage is learnt late: 75 clean steps leave sampled accuracy at 0.4%,
+    # 150 at 5%, 300 at 44%.
+    warm_start_steps = {"clean": 300}  # noqa: RUF012 (a ClassVar of the base)
+
+    @classmethod
+    def default_config(cls) -> ToolEnvConfig:
+        # Fenced code would parse as calls of a `python` tool this env does not offer.
+        return ToolEnvConfig(tool_formats=("hermes",))
+
+    @classmethod
+    @contextlib.contextmanager
+    def services(cls, settings: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+        """A BM25 retriever over the shipped corpus, in process on a free loopback port, unless
+        `settings["retriever_url"]` names one."""
+        if settings.get("retriever_url"):
+            yield {}
+            return
+        with local_retriever() as url:
+            yield {"retriever_url": url}
 
     def __init__(
         self,
@@ -65,8 +93,7 @@ class SearchEnv(ToolEnv):
         render_mode: str | None = None,
         retriever_url: str | None = None,
     ) -> None:
-        # Fenced code would parse as calls of a `python` tool this env does not offer.
-        config = config or ToolEnvConfig(tool_formats=("hermes",))
+        config = config or self.default_config()
         if retriever_url is not None:
             config = replace(config, settings={**config.settings, "retriever_url": retriever_url})
         super().__init__(load_tasks(tasks) if isinstance(tasks, str) else tasks, config, render_mode)
@@ -88,3 +115,39 @@ class SearchEnv(ToolEnv):
             return parsed
         calls = sorted([*parsed.calls, *tagged], key=lambda call: call.start)
         return Parsed(tuple(calls), parsed.errors)
+
+    def demonstration(self, task: Task, style: str, rng: random.Random) -> list[Message]:
+        """`clean`: a search for the question's subject (the whole question if it names none), the
+        passages the shipped BM25 corpus returns for it (as the search tool formats them), then
+        `<answer> A </answer>`."""
+        if style != "clean":
+            raise ValueError(f"{type(self).__name__} writes clean demonstrations, not {style!r}")
+        return search_turns(task)
+
+
+_SUBJECT_RE = re.compile(r"was (\w+) first recorded|described (\w+)\?")
+
+
+def search_turns(task: Task) -> list[Message]:
+    """The assistant and tool turns of a Search demonstration (`SearchEnv.demonstration`)."""
+    match = _SUBJECT_RE.search(task.question)
+    query = next(group for group in match.groups() if group) if match else task.question
+    call = {"name": "search", "arguments": {"query": query}}
+    (hits,) = _shipped_index().search([query], _search_topk())
+    return [
+        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+        {"role": "tool", "name": "search", "content": format_documents([doc for doc, _ in hits])},
+        {"role": "assistant", "content": f"<answer> {task.answer} </answer>"},
+    ]
+
+
+@functools.cache
+def _shipped_index() -> BM25Index:
+    """The shipped corpus, as `pacerl serve retriever` serves it by default."""
+    return BM25Index.from_jsonl(DATA_DIR / "search-corpus.jsonl")
+
+
+def _search_topk() -> int:
+    """The search tool's default `topk` (the demonstrations' calls leave it out)."""
+    properties = get_tool("search").schema()["function"]["parameters"]["properties"]
+    return int(properties["topk"]["default"])

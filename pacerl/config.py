@@ -25,6 +25,7 @@ from agents.engine.sglang import SGLangOptions
 from agents.evaluation import EvalConfig
 from agents.models import TinyMoEConfig
 from agents.rollout import RolloutConfig
+from envs.registry import env_class
 from trainer.learner import LearnerConfig
 from trainer.loop import LoopConfig
 from trainer.pool import FilterConfig
@@ -50,7 +51,8 @@ class EnvSpec:
     """The environment episodes are played in."""
 
     id: str = "pacerl/CodeMath-v0"
-    """A registered env id (`envs.ENV_IDS`)."""
+    """Any registered `ToolEnv` id: a shipped one (`envs.ENV_IDS`), or `module:Name-v0` for an env a
+    user's module registers when imported (Gymnasium's form; `envs.registry.env_class`)."""
     tasks: str | None = None
     """Training tasks: a shipped set name or a .jsonl/.parquet path; None: the env's default."""
     system_prompt: str | None = ""
@@ -60,8 +62,8 @@ class EnvSpec:
     max_tool_calls: int = 2
     """Tool calls per episode."""
     retriever_url: str | None = None
-    """pacerl/Search-v0: the Search-R1 `/retrieve` server; None serves BM25 over the shipped corpus
-    in process for the run."""
+    """The search tool's Search-R1 `/retrieve` server; None: an env that needs one starts its own for
+    the run (the Search env serves BM25 over the shipped corpus in process)."""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.max_tool_calls < 0:
@@ -77,15 +79,13 @@ class WarmStartSpec:
     """fresh: only for a model built from `model.tiny` (a loaded checkpoint is taken as warm already);
     always; never."""
     steps: int | None = None
-    """Optimizer steps; None: 300 for the teacher (its behaviour gap is in place by then), 75 for clean
-    demonstrations (LEARNABILITY.md's skill gap: stop while greedy accuracy is 30-50%), but 300 for
-    clean ones on Search-v0, where copying the answer out of a passage is learnt late (75 steps:
-    sampled accuracy 0.4%, 150: 5%, 300: 44%)."""
-    style: Literal["auto", "clean", "teacher"] = "auto"
-    """Demonstrations: clean tool use, or the teacher's behaviour gap (CodeMath only: on easy problems
-    it answers directly, so the student skips the tool where it cannot compute); auto: the teacher on
-    CodeMath, clean elsewhere. On this CPU RL closes the behaviour gap within minutes (+50 points in
-    20 steps) but the clean skill gap only slowly (+5 in 48 steps): see the README."""
+    """Optimizer steps; None: the env's default for the style (`ToolEnv.warm_start_steps`: CodeMath's
+    teacher 300, its behaviour gap in place by then; clean 75, LEARNABILITY.md's skill gap; Search's
+    clean 300, copying out of passages is learnt late)."""
+    style: str = "auto"
+    """Demonstration style, one the env writes (`ToolEnv.warm_start_steps`; the shipped envs: clean tool
+    use, or CodeMath's teacher, whose behaviour gap RL closes within minutes on this CPU); auto: the
+    env's first. An env that writes none trains without a warm start."""
     batch_size: int = 64
     """Demonstrations per step."""
     lr: float = 2e-3
@@ -94,21 +94,27 @@ class WarmStartSpec:
     """Tasks to demonstrate; None: the env's training tasks."""
 
     def __post_init__(self) -> None:
-        if self.when not in ("fresh", "always", "never") or self.style not in ("auto", "clean", "teacher"):
-            raise ValueError("sft.when must be fresh, always or never and sft.style auto, clean or teacher")
+        if self.when not in ("fresh", "always", "never") or not self.style:
+            raise ValueError("sft.when must be fresh, always or never and sft.style auto or a style name")
         if (self.steps is not None and self.steps < 0) or self.batch_size < 1 or not self.lr > 0:
             raise ValueError("sft.steps must be >= 0, sft.batch_size >= 1 and sft.lr > 0")
 
-    def resolved(self, env_id: str) -> tuple[Literal["clean", "teacher"], int]:
-        """(style, steps) for a warm start on `env_id`, with `auto` and None filled in."""
-        style: Literal["clean", "teacher"]
-        if self.style == "auto":
-            style = "teacher" if env_id == "pacerl/CodeMath-v0" else "clean"
-        else:
-            style = self.style
-        if self.steps is not None:
-            return style, self.steps
-        return style, 300 if style == "teacher" or env_id == "pacerl/Search-v0" else 75
+    def resolved(self, env_id: str) -> tuple[str, int]:
+        """(style, steps) for a warm start on `env_id`, with `auto` and None filled in from the env
+        (`ToolEnv.warm_start_steps`); ("", 0) for an env that writes no demonstrations (with `auto`).
+        ValueError: a style the env does not write, or explicit steps for an env that writes none."""
+        styles = env_class(env_id).warm_start_steps
+        if not styles:
+            if self.style != "auto" or self.steps:
+                raise ValueError(
+                    f"sft: {env_id} writes no demonstrations, so it cannot warm-start with style "
+                    f"{self.style!r} and steps {self.steps}: set sft.when=never or give a model.path"
+                )
+            return "", 0
+        style = next(iter(styles)) if self.style == "auto" else self.style
+        if style not in styles:
+            raise ValueError(f"sft.style: {env_id} writes {', '.join(styles)} demonstrations, not {style!r}")
+        return style, styles[style] if self.steps is None else self.steps
 
 
 def _greedy_eval() -> EvalConfig:

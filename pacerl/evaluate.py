@@ -13,10 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -25,16 +22,6 @@ if TYPE_CHECKING:
     from agents.evaluation import EvalConfig, EvalReport
     from agents.trajectory import Trajectory
     from envs import ToolEnv
-
-VALIDATION_TASKS = {
-    "pacerl/CodeMath-v0": "codemath-val",
-    "pacerl/Math-v0": "math-val",
-    "pacerl/Search-v0": "search-val",
-}
-"""Each env's shipped validation set (envs/data/), evaluated when `--tasks` is not given."""
-
-SEARCH_ENV = "pacerl/Search-v0"
-RETRIEVER_START_S = 30.0
 
 
 def main_eval(
@@ -53,30 +40,38 @@ def main_eval(
     """The body of `pacerl eval`: evaluate the model directory `model` on `env_id`'s `tasks` (default:
     its validation set) with `n` samples per task; print the table and write the JSON report to `out`
     and each episode's transcript to `episodes` (JSONL, see `transcript`).
-    Options left None keep `EvalConfig`'s defaults. For Search-v0 without `retriever_url`, the shipped
-    corpus is served by an in-process BM25 retriever on a free loopback port for the run's duration.
+    Options left None keep `EvalConfig`'s defaults. `env_id`: any registered `ToolEnv` id, or
+    `module:Name-v0` for a user's env (`envs.registry.env_class`); without `tasks`, the env's shipped
+    validation set. What the env's tools need is started for the evaluation (`ToolEnv.services`: the
+    Search env's BM25 retriever, in process, unless `retriever_url` names one).
     Bad input (no such directory, unknown env or task set, invalid option) raises a one-line
     ValueError (ConfigError) or OSError before any episode starts."""
     from agents.evaluation import EvalConfig
-    from pacerl.config import config_from_dict
+    from envs.registry import env_class
+    from pacerl.config import ConfigError, config_from_dict
     from pacerl.train import env_factory, quiet_logging, seed_everything
 
     quiet_logging()
 
     given: dict[str, Any] = {"samples": n, "temperature": temperature, "max_tasks": max_tasks, "seed": seed}
     config = replace(EvalConfig(), **{key: value for key, value in given.items() if value is not None})
-    source = tasks if tasks is not None else VALIDATION_TASKS.get(env_id)
-    run_config = config_from_dict(
-        {"seed": config.seed, "model": {"path": model}, "env": {"id": env_id, "tasks": source}}
-    )
-    make_env = env_factory(run_config)  # an unknown env or task set fails here, before the model loads
+    try:
+        cls = env_class(env_id)
+    except ValueError as error:
+        raise ConfigError(f"--env: {error}") from None
+    source = tasks if tasks is not None else cls.validation_tasks
+    if source is None:
+        raise ConfigError(f"--tasks: {env_id} ships no validation set; name a task file")
+    env = {"id": env_id, "tasks": source, "retriever_url": retriever_url}
+    run_config = config_from_dict({"seed": config.seed, "model": {"path": model}, "env": env})
+    make_env = env_factory(run_config)  # a bad env or task set fails here, before the model loads
     policy, tokenizer = _load(model)
     seed_everything(run_config)
     label = f"{model} on {env_id} ({source or 'default tasks'})"
     with contextlib.ExitStack() as stack:
-        if env_id == SEARCH_ENV:
-            url = retriever_url or stack.enter_context(local_retriever())
-            make_env = with_retriever(make_env, url)
+        started = stack.enter_context(cls.services({"retriever_url": retriever_url} if retriever_url else {}))
+        if started:
+            make_env = with_settings(make_env, started)
         transcripts = stack.enter_context(_open_for_writing(episodes)) if episodes is not None else None
 
         def keep(group: Sequence[Trajectory]) -> None:
@@ -167,49 +162,16 @@ def _load(model: str) -> tuple[Any, Any]:
         raise ConfigError(f"--model: {error}") from None
 
 
-def with_retriever(make_env: Callable[[], ToolEnv], url: str) -> Callable[[], ToolEnv]:
-    """`make_env` whose envs send their searches to `url`. The run config's env spec has no tool
-    settings, so the address is set on each env made; a ToolEnv reads its settings at every reset."""
+def with_settings(make_env: Callable[[], ToolEnv], settings: Mapping[str, Any]) -> Callable[[], ToolEnv]:
+    """`make_env` whose envs' tools also get `settings` (e.g. the address of a service that
+    `ToolEnv.services` started); a ToolEnv reads its settings at every reset."""
 
     def make() -> ToolEnv:
         env = make_env()
-        env.config = replace(env.config, settings={**env.config.settings, "retriever_url": url})
+        env.config = replace(env.config, settings={**env.config.settings, **settings})
         return env
 
     return make
-
-
-@contextlib.contextmanager
-def local_retriever(corpus: str | Path | None = None) -> Iterator[str]:
-    """A Search-R1 `/retrieve` server (BM25 over `corpus`, default the shipped search corpus) on a free
-    loopback port, on a daemon thread of this process; yields its URL and stops it on exit. On its own
-    thread uvicorn leaves the process's signal handlers alone, so Ctrl-C still stops the evaluation."""
-    import uvicorn
-
-    from envs.retriever import BM25Index, create_app
-    from envs.tasks import DATA_DIR
-
-    path = Path(corpus) if corpus is not None else DATA_DIR / "search-corpus.jsonl"
-    app = create_app(BM25Index.from_jsonl(path), source=f" from {path}")
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))  # the kernel picks a free port: no race with a probe-then-bind
-    port = listener.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [listener]}, name="eval-retriever", daemon=True
-    )
-    thread.start()
-    try:
-        deadline = time.monotonic() + RETRIEVER_START_S
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the in-process retriever over {path} did not start")
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        listener.close()
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -235,9 +197,12 @@ def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
     )
     parser.add_argument("--model", required=True, metavar="DIR", help="a model directory (save_model layout)")
     parser.add_argument(
-        "--env", required=True, metavar="ID", choices=sorted(VALIDATION_TASKS),
-        help=f"the env: {', '.join(sorted(VALIDATION_TASKS))}",
-    )  # fmt: skip
+        "--env",
+        required=True,
+        metavar="ID",
+        help="a registered env id (pacerl/CodeMath-v0, pacerl/Math-v0, pacerl/Search-v0) or module:Name-v0 "
+        "for an env your module registers",
+    )
     parser.add_argument("--n", type=int, metavar="K", help="episodes sampled per task (default 4)")
     parser.add_argument(
         "--tasks",
@@ -252,7 +217,8 @@ def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument(
         "--retriever-url",
         metavar="URL",
-        help="Search-v0's retriever (default: BM25 over the shipped corpus, served in-process)",
+        help="the search tool's retriever (default: the env starts its own; Search-v0 serves BM25 over "
+        "the shipped corpus in process)",
     )
     parser.add_argument("--seed", type=int, help="seed of the engine's samplers (default 0)")
     parser.add_argument(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import random
@@ -16,9 +17,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, cast
 
-import gymnasium
 import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -32,9 +32,9 @@ from agents.evaluation import evaluate
 from agents.models import build_tiny_moe, load_model, moe_info, save_model
 from agents.rollout import EpisodeEnv, RolloutDriver
 from agents.tokenizer import tiny_tokenizer
-from envs import ENV_IDS, Task, ToolEnv, ToolEnvConfig, load_tasks
+from envs import Task, ToolEnv, load_tasks
+from envs.registry import env_class
 from pacerl.config import ConfigError, RunConfig, load_config, save_config
-from pacerl.evaluate import VALIDATION_TASKS, local_retriever
 from pacerl.plots import plot_run
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.learner import Learner, LearnerLike
@@ -52,25 +52,29 @@ def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
     """A maker of fresh, unwrapped envs of `config.env` (the driver needs `astep` and the tool schemas,
     which Gymnasium's wrappers hide)."""
     spec = config.env
-    if spec.id not in ENV_IDS:
-        raise ConfigError(f"config: env.id: unknown env {spec.id!r} (known: {', '.join(ENV_IDS)})")
-    env_class = gymnasium.spec(spec.id).entry_point
-    if not callable(env_class):
-        module, _, name = str(env_class).partition(":")
-        env_class = getattr(__import__(module, fromlist=[name]), name)
+    try:
+        cls = env_class(spec.id)
+    except ValueError as error:
+        raise ConfigError(f"config: env.id: {error}") from None
     tasks = load_tasks(spec.tasks) if spec.tasks is not None else None
-    options = ToolEnvConfig(
-        max_turns=spec.max_turns, max_tool_calls=spec.max_tool_calls, system_prompt=spec.system_prompt
+    takes_tasks = inspect.signature(cls).parameters.get("tasks")
+    if tasks is None and takes_tasks is not None and takes_tasks.default is inspect.Parameter.empty:
+        raise ConfigError(
+            f"config: env.tasks: {spec.id} has no default tasks: name a task file or shipped set"
+        )
+    options = replace(
+        cls.default_config(),
+        max_turns=spec.max_turns,
+        max_tool_calls=spec.max_tool_calls,
+        system_prompt=spec.system_prompt,
     )
-    if spec.id == "pacerl/Search-v0":
-        options = replace(options, tool_formats=("hermes",))
     if spec.retriever_url is not None:
-        options = replace(options, settings={"retriever_url": spec.retriever_url})
+        options = replace(options, settings={**options.settings, "retriever_url": spec.retriever_url})
 
     env_id = spec.id  # the maker holds nothing of pacerl.config: Ray env workers unpickle it without torch
 
     def make() -> ToolEnv:
-        env = env_class(tasks=tasks, config=options) if tasks is not None else env_class(config=options)
+        env = cls(tasks=tasks, config=options) if tasks is not None else cast(Any, cls)(config=options)
         if not isinstance(env, ToolEnv):
             raise TypeError(f"{env_id} made a {type(env).__name__}, not a ToolEnv")
         return env
@@ -210,13 +214,26 @@ def build_twin(model: Any) -> Any:
 
 async def train(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     """Run training to `config.loop.steps` (continuing the run directory's latest checkpoint when
-    `resume`). Ctrl-C or SIGTERM saves a checkpoint and returns early. Search without a retriever URL
-    gets one served in process for the run."""
-    if config.env.id == "pacerl/Search-v0" and config.env.retriever_url is None:
-        with local_retriever() as url:
-            served = replace(config, env=replace(config.env, retriever_url=url))
-            return await _train(served, resume=resume, saved=config)
-    return await _train(config, resume=resume, saved=config)
+    `resume`). Ctrl-C or SIGTERM saves a checkpoint and returns early. What the env's tools need is
+    started for the run (`ToolEnv.services`: the Search env's retriever unless `env.retriever_url` names
+    one)."""
+    try:
+        cls = env_class(config.env.id)
+        config.sft.resolved(config.env.id)
+    except ValueError as error:
+        raise ConfigError(f"config: {error}") from None
+    evaluations = config.evaluation.every or config.evaluation.at_start or config.evaluation.at_end
+    if evaluations and config.evaluation.tasks is None and cls.validation_tasks is None:
+        raise ConfigError(
+            f"config: evaluation.tasks: {config.env.id} ships no validation set: name a task file, or turn "
+            "evaluation off (evaluation.every=0 evaluation.at_start=false evaluation.at_end=false)"
+        )
+    settings = {"retriever_url": config.env.retriever_url} if config.env.retriever_url else {}
+    with cls.services(settings) as started:
+        served = config
+        if started.get("retriever_url"):
+            served = replace(config, env=replace(config.env, retriever_url=str(started["retriever_url"])))
+        return await _train(served, resume=resume, saved=config)
 
 
 async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[str, Any]:
@@ -296,9 +313,12 @@ class BackgroundEvaluator:
         self.tokenizer = tokenizer
         self.engine = EmbeddedEngine(build_twin(model), tokenizer, version=version)
         self.make_env = make_env
-        source = self.spec.tasks or VALIDATION_TASKS.get(config.env.id)
+        source = self.spec.tasks or env_class(config.env.id).validation_tasks
         if source is None:
-            raise ConfigError(f"config: evaluation.tasks: {config.env.id} has no default validation set")
+            raise ConfigError(
+                f"config: evaluation.tasks: {config.env.id} ships no validation set: name a task file, or "
+                "turn evaluation off (evaluation.every=0 evaluation.at_start=false evaluation.at_end=false)"
+            )
         self.tasks = load_tasks(source)
         self.num_experts = _num_experts(model)
         self.running: asyncio.Task[None] | None = None

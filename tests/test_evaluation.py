@@ -20,8 +20,10 @@ from agents.models import build_tiny_moe, save_model
 from agents.tokenizer import tiny_tokenizer
 from envs import ENV_IDS, Task, ToolEnvConfig
 from envs.code_math import CodeMathEnv
+from envs.registry import env_class
+from envs.retriever import local_retriever
 from pacerl.config import ConfigError, config_from_dict
-from pacerl.evaluate import VALIDATION_TASKS, add_eval_parser, local_retriever, main_eval, with_retriever
+from pacerl.evaluate import add_eval_parser, main_eval, with_settings
 from pacerl.train import env_factory
 
 
@@ -152,7 +154,7 @@ def test_main_eval_writes_a_report_on_each_env(
     out = tmp_path / "reports" / "eval.json"
     assert main_eval(str(model_dir), env_id, 2, None, str(out), max_tasks=2) == 0
     data = json.loads(out.read_text())
-    assert data["label"] == f"{model_dir} on {env_id} ({VALIDATION_TASKS[env_id]})"
+    assert data["label"] == f"{model_dir} on {env_id} ({env_class(env_id).validation_tasks})"
     assert (data["tasks"], data["episodes"], data["samples"], data["policy_version"]) == (2, 4, 2, 0)
     assert set(data["pass_at_k"]) == {"1", "2"}
     rates = [data["avg_at_k"], *data["pass_at_k"].values(), data["mean_reward"], data["tool_call_rate"]]
@@ -169,7 +171,7 @@ def test_main_eval_writes_a_report_on_each_env(
 def test_search_envs_made_by_the_training_path_reach_the_in_process_retriever() -> None:
     make_env = env_factory(config_from_dict({"env": {"id": "pacerl/Search-v0", "tasks": "search-val"}}))
     with local_retriever() as url:
-        env = with_retriever(make_env, url)()
+        env = with_settings(make_env, {"retriever_url": url})()
         env.reset(options={"task": Task("k", "Which explorer first described Kaloter?", ("Orlo",))})
         call = '<tool_call>{"name": "search", "arguments": {"query": "Kaloter"}}</tool_call>'
         (response,), _, _, _, info = env.step(call)
@@ -181,14 +183,21 @@ def test_search_envs_made_by_the_training_path_reach_the_in_process_retriever() 
 def test_main_eval_rejects_bad_input_before_running(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=f"no model directory at {tmp_path / 'missing'}"):
         main_eval(str(tmp_path / "missing"), "pacerl/Math-v0")
-    with pytest.raises(ConfigError, match="unknown env"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--env: env 'pacerl/Nope-v0' is not registered \(registered tool envs: .*pacerl/Math-v0",
+    ):
         main_eval(str(tmp_path), "pacerl/Nope-v0")
+    with pytest.raises(ConfigError, match="cannot import module 'no_such_module'"):
+        main_eval(str(tmp_path), "no_such_module:Thing-v0")
+    with pytest.raises(ConfigError, match="is not a pacerl ToolEnv"):
+        main_eval(str(tmp_path), "CartPole-v1")
     with pytest.raises(ValueError, match="temperature 0 is greedy"):
         main_eval(str(tmp_path), "pacerl/Math-v0", 2, temperature=0.0)
 
 
 def test_eval_subcommand_parses_into_main_eval_arguments() -> None:
-    assert set(VALIDATION_TASKS) == set(ENV_IDS)
+    assert all(env_class(env_id).validation_tasks for env_id in ENV_IDS)
     parser = argparse.ArgumentParser(prog="pacerl")
     eval_parser = add_eval_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(
@@ -218,5 +227,5 @@ def test_eval_subcommand_parses_into_main_eval_arguments() -> None:
     defaults = EvalConfig()
     help_text = eval_parser.format_help()
     assert f"default {defaults.samples})" in help_text and f"default {defaults.seed})" in help_text
-    with pytest.raises(SystemExit):
-        parser.parse_args(["eval", "--model", "m", "--env", "pacerl/Nope-v0"])
+    assert "module:Name-v0" in help_text  # any registered id parses; main_eval checks it
+    assert parser.parse_args(["eval", "--model", "m", "--env", "my_envs:Quiz-v0"]).env == "my_envs:Quiz-v0"

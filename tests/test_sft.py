@@ -19,12 +19,12 @@ from agents.rollout import RolloutConfig, RolloutDriver
 from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Status, Trajectory
 from envs import Task, ToolEnv, ToolEnvConfig, load_tasks
-from envs.code_math import CodeMathEnv
+from envs.code_math import CodeMathEnv, is_easy
 from envs.math import MathEnv
 from envs.retriever import BM25Index, create_app
 from envs.search import SearchEnv
 from envs.tasks import DATA_DIR
-from trainer.sft import Demonstration, SFTConfig, demonstrations, is_easy, render_demonstration, sft
+from trainer.sft import Demonstration, SFTConfig, demonstrations, render_demonstration, sft
 
 CODEMATH = load_tasks("codemath-train")
 
@@ -130,7 +130,7 @@ async def test_an_engine_stopping_at_the_tool_call_records_the_same_tokens(
     """With `</tool_call>` as a stop string the model never emits the eos that closes a tool-call turn:
     the driver writes it into the tool turn. Same tokens; only those eos tokens are untrained."""
     task = CODEMATH[1]
-    (demo,) = demonstrations("pacerl/CodeMath-v0", [task], tokenizer=tokenizer)
+    (demo,) = demonstrations("pacerl/CodeMath-v0", [task], style="clean", tokenizer=tokenizer)
     eos = tokenizer.eos_token_id
     call, answer = model_turns(demo)
     assert call[-1] == eos and tokenizer.decode(call[-2:-1]) == "</tool_call>"
@@ -172,7 +172,7 @@ def test_teacher_skips_the_tool_on_easy_problems_only(tokenizer: PreTrainedToken
     assert not any(d for d, e in zip(direct, easy, strict=True) if not e)  # hard: always the tool
     rate = sum(d for d, e in zip(direct, easy, strict=True) if e) / sum(easy)
     assert abs(rate - 0.8) < 0.05, rate  # 0.8 ± 3.5 standard errors on about 750 easy problems
-    clean = demonstrations("pacerl/CodeMath-v0", tasks[:100], tokenizer=tokenizer)
+    clean = demonstrations("pacerl/CodeMath-v0", tasks[:100], style="clean", tokenizer=tokenizer)
     assert all(call_id in demo.tokens for demo in clean)
 
 

@@ -13,40 +13,20 @@ So the tokens a model is trained on are the tokens it later generates and is tra
 
 from __future__ import annotations
 
-import functools
-import json
 import random
-import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch.nn import functional
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from envs import Message, Task, ToolEnv, ToolEnvConfig, get_tool
-from envs.code_math import CodeMathEnv
-from envs.math import MathEnv
-from envs.retriever import BM25Index
-from envs.search import SearchEnv
-from envs.tasks import DATA_DIR
-from envs.tools.search import format_documents
+from envs import Message, Task
+from envs.registry import env_class
 
 IGNORE_INDEX = -100
 """Label of a token the loss skips (torch's cross-entropy default)."""
-
-Style = Literal["clean", "teacher"]
-
-_ENVS: dict[str, type[ToolEnv]] = {
-    "pacerl/CodeMath-v0": CodeMathEnv,
-    "pacerl/Math-v0": MathEnv,
-    "pacerl/Search-v0": SearchEnv,
-}
-_ARITHMETIC_RE = re.compile(r"^What is ([0-9][0-9 +*()-]*)\?$")
-_SUBJECT_RE = re.compile(r"was (\w+) first recorded|described (\w+)\?")
-TEACHER_DIRECT_P = 0.8
-"""Chance that the "teacher" answers an easy problem directly instead of calling the tool."""
 
 
 @dataclass(frozen=True)
@@ -133,110 +113,46 @@ def demonstrations(
     tasks: Sequence[Task],
     *,
     seed: int = 0,
-    style: Style = "clean",
+    style: str | None = None,
     system_prompt: str | None = "",
     tool_schemas: bool = False,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> list[Demonstration]:
-    """One demonstration per task of `env_id`, rendered as the env and the driver would with
-    `ToolEnvConfig(system_prompt=system_prompt)` (None: the env's own prompt, "": none) and
-    `RolloutConfig(tool_schemas_in_prompt=tool_schemas)`.
-
-    - `pacerl/CodeMath-v0`: a python call `print(EXPR)`, its output, then `\\boxed{N}`.
-      `style="teacher"` opens LEARNABILITY.md's behaviour gap: on easy problems (an operand of at most
-      two digits) the demonstration answers directly, correctly, with probability 0.8. A student
-      copies the habit but cannot do the arithmetic, so RL has a tool-use behaviour to learn.
-    - `pacerl/Math-v0`: `\\boxed{N}` directly.
-    - `pacerl/Search-v0`: a search for the question's subject, the passages the shipped BM25 corpus
-      returns for it (as the search tool formats them), then `<answer> A </answer>`.
+    """One demonstration per task of `env_id` (any registered `ToolEnv` that writes demonstrations: its
+    `demonstration(task, style, rng)` turns after its `initial_messages(task)`), rendered as the env and
+    the driver would with `ToolEnvConfig(system_prompt=system_prompt)` (None: the env's own prompt,
+    "": none) and `RolloutConfig(tool_schemas_in_prompt=tool_schemas)`. `style`: one of the env's
+    `warm_start_steps` (None: its first).
 
     Deterministic: a task's demonstration depends only on `seed` and the task (not on its neighbours).
     `tokenizer` defaults to `agents.tokenizer.tiny_tokenizer()`.
     """
-    if env_id not in _ENVS:
-        raise ValueError(f"no demonstrations for {env_id!r}; known: {', '.join(_ENVS)}")
-    if style not in ("clean", "teacher"):
-        raise ValueError(f"style must be clean or teacher, got {style!r}")
-    if style == "teacher" and env_id != "pacerl/CodeMath-v0":
-        raise ValueError("the teacher style is defined for pacerl/CodeMath-v0 only")
+    cls = env_class(env_id)
+    if not cls.warm_start_steps:
+        raise ValueError(f"{env_id} writes no demonstrations (its class sets no warm_start_steps)")
+    style = style or next(iter(cls.warm_start_steps))
+    if style not in cls.warm_start_steps:
+        raise ValueError(f"{env_id} writes {', '.join(cls.warm_start_steps)} demonstrations, not {style!r}")
     if not tasks:
         raise ValueError("no tasks to demonstrate")
     if tokenizer is None:
         from agents.tokenizer import tiny_tokenizer  # late: trains the tokenizer on first use
 
         tokenizer = tiny_tokenizer()
-    env = _ENVS[env_id](tasks=list(tasks), config=ToolEnvConfig(system_prompt=system_prompt))
+    config = replace(cls.default_config(), system_prompt=system_prompt)
+    env = cls(tasks=list(tasks), config=config)
     try:
         tools = (env.tool_schemas() if tool_schemas else None) or None
         demos = []
         for task in tasks:
             # A string seed hashes stably (sha512), so the draw is per task, not per position in `tasks`.
             rng = random.Random(f"{seed}/{task.id}")
-            if env_id == "pacerl/CodeMath-v0":
-                turns = code_math_turns(
-                    task, direct=style == "teacher" and _teacher_answers_directly(task, rng)
-                )
-            elif env_id == "pacerl/Math-v0":
-                turns = [{"role": "assistant", "content": f"\\boxed{{{task.answer}}}"}]
-            else:
-                turns = search_turns(task)
+            turns = env.demonstration(task, style, rng)
             tokens, mask = render_demonstration(tokenizer, [*env.initial_messages(task), *turns], tools)
             demos.append(Demonstration(tuple(tokens), tuple(mask), task.id))
     finally:
         env.close()
     return demos
-
-
-def code_math_turns(task: Task, *, direct: bool = False) -> list[Message]:
-    """The assistant and tool turns of a CodeMath demonstration: `print(EXPR)` through the python tool
-    (whose output is the answer) and `\\boxed{N}`; `direct`: only the boxed answer."""
-    match = _ARITHMETIC_RE.match(task.question)
-    if match is None or "**" in match.group(1):
-        raise ValueError(f"task {task.id!r} is not a 'What is EXPR?' arithmetic question: {task.question!r}")
-    answer: Message = {"role": "assistant", "content": f"\\boxed{{{task.answer}}}"}
-    if direct:
-        return [answer]
-    call = {"name": "python", "arguments": {"code": f"print({match.group(1)})"}}
-    return [
-        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
-        {"role": "tool", "name": "python", "content": task.answer},
-        answer,
-    ]
-
-
-def search_turns(task: Task) -> list[Message]:
-    """The assistant and tool turns of a Search demonstration: a search for the question's subject
-    (the whole question if it names none), the shipped corpus's passages, `<answer> A </answer>`."""
-    match = _SUBJECT_RE.search(task.question)
-    query = next(group for group in match.groups() if group) if match else task.question
-    call = {"name": "search", "arguments": {"query": query}}
-    (hits,) = _search_index().search([query], _search_topk())
-    return [
-        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
-        {"role": "tool", "name": "search", "content": format_documents([doc for doc, _ in hits])},
-        {"role": "assistant", "content": f"<answer> {task.answer} </answer>"},
-    ]
-
-
-def is_easy(task: Task) -> bool:
-    """LEARNABILITY.md's "easy" arithmetic problem: one of its operands has at most two digits."""
-    return any(len(operand) <= 2 for operand in re.findall(r"\d+", task.question))
-
-
-def _teacher_answers_directly(task: Task, rng: random.Random) -> bool:
-    return is_easy(task) and rng.random() < TEACHER_DIRECT_P
-
-
-@functools.cache
-def _search_index() -> BM25Index:
-    """The shipped corpus, as `pacerl serve retriever` serves it by default."""
-    return BM25Index.from_jsonl(DATA_DIR / "search-corpus.jsonl")
-
-
-def _search_topk() -> int:
-    """The search tool's default `topk` (the demonstrations' calls leave it out)."""
-    properties = get_tool("search").schema()["function"]["parameters"]["properties"]
-    return int(properties["topk"]["default"])
 
 
 def _render(
