@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import ThreadServer, free_port
+from sglang_standin import create_standin_app
 from test_engine import reference_greedy, tiny_moe
 
 from agents.engine.embedded import ContextOverflowError, EmbeddedEngine
@@ -33,7 +34,6 @@ from agents.engine.sglang import (
     _token_versions,
     launch_command,
 )
-from agents.engine.sglang_standin import create_standin_app
 from pacerl.cli import main
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0)

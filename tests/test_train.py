@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 from helpers import ThreadServer, rewards, small_run
+from sglang_standin import create_standin_app
 
 from agents.engine import EmbeddedEngine
-from agents.engine.sglang_standin import create_standin_app
 from agents.models import load_model
 from pacerl.config import ConfigError, config_from_dict, load_config
 from pacerl.train import train
@@ -164,7 +164,7 @@ def test_training_against_an_sglang_server_publishes_through_its_update_endpoint
     warm_model: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """The SGLang path of `pacerl train`: rollouts over HTTP (the stand-in that speaks SGLang's
-    protocol, see agents/engine/sglang_standin.py), weights published as safetensors and loaded by
+    protocol, see tests/sglang_standin.py), weights published as safetensors and loaded by
     `/update_weights_from_disk`, routes returned for R3."""
     model, tokenizer = load_model(warm_model[0])
     server_engine = EmbeddedEngine(model, tokenizer)
