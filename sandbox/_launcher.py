@@ -726,7 +726,8 @@ def refuse_user_namespaces(libc: Any) -> None:
 
 def setup_root(spec: Job) -> None:
     """Running as root, PID 1 of fresh mount/PID/net/IPC/UTS namespaces: assemble a read-only root
-    holding only `spec["binds"]`, private tmpfs work dir and /tmp, then drop to `spec["uid"]` for good."""
+    holding only `spec["binds"]` ((host path, sandbox path) pairs), private tmpfs work dir and /tmp,
+    then drop to `spec["uid"]` for good."""
     import ctypes
     import socket
 
@@ -750,13 +751,13 @@ def setup_root(spec: Job) -> None:
     uid, size, new = spec["uid"], spec["size"], "/tmp"
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below leaks to the host's mount table
     mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-    for path in spec["binds"]:
-        if os.path.isdir(path):
-            os.makedirs(new + path, exist_ok=True)
+    for source, target in spec["binds"]:  # (host path, sandbox path)
+        if os.path.isdir(source):
+            os.makedirs(new + target, exist_ok=True)
         else:
-            os.makedirs(os.path.dirname(new + path), exist_ok=True)
-            open(new + path, "w").close()
-        bind(path, new + path)
+            os.makedirs(os.path.dirname(new + target), exist_ok=True)
+            open(new + target, "w").close()
+        bind(source, new + target)
     for name, target in spec["symlinks"].items():
         os.symlink(target, new + name)
     os.mkdir(new + "/dev")

@@ -77,8 +77,10 @@ class LocalOptions:
 
     python: str = "/usr/bin/python3"
     """Interpreter inside the sandbox. It must live under /usr or under one of `ro_binds`."""
-    ro_binds: tuple[str, ...] = ()
-    """Extra host paths made visible read-only at the same path (e.g. a venv with numpy)."""
+    ro_binds: tuple[str | tuple[str, str], ...] = ()
+    """Extra host paths made visible read-only (e.g. a venv with numpy): a path at the same path, or a
+    (host path, sandbox path) pair at another, for a host path that the sandbox's own /work, /tmp,
+    /dev or /proc would hide."""
     warm_pool: int = 2
     """Sandboxes kept started and waiting for a one-shot job; 0 starts each run cold."""
     warm_sessions: int = 2
@@ -115,6 +117,25 @@ class LocalOptions:
             raise ValueError(f"isolation must be auto, bwrap or unshare, got {self.isolation!r}")
         if not self.python.startswith("/"):
             raise ValueError(f"python must be an absolute path inside the sandbox, got {self.python!r}")
+        for source, target in _bind_pairs(self.ro_binds):
+            inside = os.path.normpath(target)
+            if not source.startswith("/") or not target.startswith("/") or inside in ("/", "//"):
+                raise ValueError(f"ro_binds: {source!r} -> {target!r} needs absolute paths below /")
+            for top in _SANDBOX_MOUNTS:
+                if inside == top or inside.startswith(top + "/"):
+                    raise ValueError(
+                        f"ro_binds: {target} would be hidden by the sandbox's own {top}; bind it elsewhere "
+                        f"with a (host path, sandbox path) pair, e.g. ({source!r}, '/opt/...')"
+                    )
+
+
+_SANDBOX_MOUNTS = (WORK_DIR, "/tmp", "/dev", "/proc")
+"""Where each sandbox mounts its own file systems, over anything bound there."""
+
+
+def _bind_pairs(binds: tuple[str | tuple[str, str], ...]) -> list[tuple[str, str]]:
+    """(host path, sandbox path) of each `ro_binds` entry."""
+    return [(bind, bind) if isinstance(bind, str) else (bind[0], bind[1]) for bind in binds]
 
 
 class _Box:
@@ -331,8 +352,8 @@ class LocalBackend:
             # The zygote becomes PID 1 itself: bubblewrap's reaper would otherwise be a same-uid,
             # ptraceable process holding the host's pipes.
             argv.append("--as-pid-1")
-        for path in self._read_only_paths():
-            argv += ["--ro-bind", path, path]
+        for source, target in self._read_only_binds():
+            argv += ["--ro-bind", source, target]
         for name, target in _TOP_SYMLINKS.items():
             argv += ["--symlink", target, name]
         argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--perms", "1777", "--tmpfs", "/dev/shm"]
@@ -348,7 +369,7 @@ class LocalBackend:
         spec = {
             "uid": uid,
             "size": limits.work_dir_mb * 1024 * 1024,
-            "binds": self._read_only_paths(),
+            "binds": self._read_only_binds(),
             "symlinks": _TOP_SYMLINKS,
             "work": WORK_DIR,
             "env": SANDBOX_ENV,
@@ -358,14 +379,16 @@ class LocalBackend:
         argv += ["--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child", "--"]
         return [*argv, self.options.python, "-I", "-c", LAUNCHER_SOURCE, *launcher_args, json.dumps(spec)]
 
-    def _read_only_paths(self) -> list[str]:
+    def _read_only_binds(self) -> list[tuple[str, str]]:
+        """(host path, sandbox path) of every read-only bind: the interpreter's system dirs, then the
+        options' own."""
         paths = [
             "/usr",
             *(f"/{top}" for top in _TOP_DIRS if Path(f"/{top}").is_dir() and f"/{top}" not in _TOP_SYMLINKS),
         ]
         if Path("/etc/ld.so.cache").exists():
             paths.append("/etc/ld.so.cache")
-        return [*paths, *self.options.ro_binds]
+        return [(path, path) for path in paths] + _bind_pairs(self.options.ro_binds)
 
     async def _spawn(self, mode: str, limits: Limits, limits_json: str = "-") -> _Box:
         """Start one sandbox. The blocking part runs on the backend's spawner thread: joining a new
