@@ -44,9 +44,9 @@ from agents.engine import EmbeddedEngine, Engine, SamplingParams
 from agents.models import moe_info
 from agents.rollout import EpisodeEnv, RolloutDriver
 from envs import Task
+from pacerl.assembly import build_twin, env_factory, load_policy, training_tasks
 from pacerl.config import RunConfig, load_config
 from pacerl.runtime_ray import RayRuntime
-from pacerl.train import build_twin, env_factory, load_policy, training_tasks
 
 ACTION = "The answer is \\boxed{6}"
 

@@ -48,8 +48,9 @@ def main_eval(
     ValueError (ConfigError) or OSError before any episode starts."""
     from agents.evaluation import EvalConfig
     from envs.registry import env_class
+    from pacerl.assembly import env_factory, seed_everything
     from pacerl.config import ConfigError, config_from_dict
-    from pacerl.train import env_factory, quiet_logging, seed_everything
+    from pacerl.train import quiet_logging
 
     quiet_logging()
 

@@ -22,9 +22,9 @@ from envs import ENV_IDS, Task, ToolEnvConfig
 from envs.code_math import CodeMathEnv
 from envs.registry import env_class
 from envs.retriever import local_retriever
+from pacerl.assembly import env_factory
 from pacerl.config import ConfigError, config_from_dict
 from pacerl.evaluate import add_eval_parser, main_eval, with_settings
-from pacerl.train import env_factory
 
 
 def test_pass_at_k_by_hand() -> None:

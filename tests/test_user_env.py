@@ -16,8 +16,8 @@ import pytest
 from agents.models import build_tiny_moe, save_model
 from agents.tokenizer import tiny_tokenizer
 from envs.registry import env_class
+from pacerl.assembly import env_factory
 from pacerl.config import ConfigError, config_from_dict
-from pacerl.train import env_factory
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,0 +1,234 @@
+"""A run's parts built from its config: the env maker, the policy and its tokenizer, the warm start,
+the engine, learner, driver and pool wired into a `trainer.loop.Run`, and the background evaluator.
+`pacerl train` (and `pacerl sft`, `pacerl eval`) call these; nothing here parses arguments."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from agents.engine.embedded import EmbeddedEngine
+from agents.engine.protocol import Engine
+from agents.engine.sglang import SGLangEngine
+from agents.models import build_tiny_moe, load_model, moe_info
+from agents.rollout import EpisodeEnv, RolloutDriver
+from agents.tokenizer import tiny_tokenizer
+from envs import Task, ToolEnv, load_tasks
+from envs.registry import env_class
+from pacerl.config import ConfigError, RunConfig
+from pacerl.display import ProgressDisplay
+from trainer.evaluator import BackgroundEvaluator
+from trainer.learner import Learner, LearnerLike
+from trainer.loop import Run
+from trainer.pool import TrajectoryPool
+from trainer.sft import SFTConfig, demonstrations, sft
+
+log = logging.getLogger(__name__)
+
+
+def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
+    """A maker of fresh, unwrapped envs of `config.env` (the driver needs `astep` and the tool schemas,
+    which Gymnasium's wrappers hide)."""
+    spec = config.env
+    try:
+        cls = env_class(spec.id)
+    except ValueError as error:
+        raise ConfigError(f"config: env.id: {error}") from None
+    tasks = load_tasks(spec.tasks) if spec.tasks is not None else None
+    takes_tasks = inspect.signature(cls).parameters.get("tasks")
+    if tasks is None and takes_tasks is not None and takes_tasks.default is inspect.Parameter.empty:
+        raise ConfigError(
+            f"config: env.tasks: {spec.id} has no default tasks: name a task file or shipped set"
+        )
+    options = replace(
+        cls.default_config(),
+        max_turns=spec.max_turns,
+        max_tool_calls=spec.max_tool_calls,
+        system_prompt=spec.system_prompt,
+    )
+    if spec.retriever_url is not None:
+        options = replace(options, settings={**options.settings, "retriever_url": spec.retriever_url})
+
+    env_id = spec.id  # the maker holds nothing of pacerl.config: Ray env workers unpickle it without torch
+
+    def make() -> ToolEnv:
+        env = cls(tasks=tasks, config=options) if tasks is not None else cast(Any, cls)(config=options)
+        if not isinstance(env, ToolEnv):
+            raise TypeError(f"{env_id} made a {type(env).__name__}, not a ToolEnv")
+        return env
+
+    return make
+
+
+def load_policy(config: RunConfig) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The model to train and its tokenizer: built from `model.tiny`, or loaded from `model.path`."""
+    if config.model.path is None:
+        tokenizer = tiny_tokenizer()
+        return build_tiny_moe(config.model.tiny, tokenizer), tokenizer
+    try:
+        return load_model(config.model.path)
+    except (FileNotFoundError, ValueError, OSError) as error:
+        raise ConfigError(f"config: model.path: {error}") from None
+
+
+def training_tasks(make_env: Callable[[], ToolEnv]) -> list[Task]:
+    """The tasks the envs of `make_env` draw from (read from one env, closed again)."""
+    env = make_env()
+    try:
+        return list(env.tasks)
+    finally:
+        env.close()
+
+
+def build_run(
+    config: RunConfig,
+    run_dir: Path,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    make_env: Callable[[], ToolEnv],
+    tasks: Sequence[Task],
+) -> Run:
+    """Every part of a run, wired as `config` says (nothing runs yet, but with `runtime = "ray"` the
+    actors are up)."""
+    engine: Engine
+    learner: LearnerLike
+    make_episode: Callable[[], EpisodeEnv] = make_env
+    runtime = None
+    if config.runtime == "ray":
+        try:
+            from pacerl.runtime_ray import RayRuntime  # Ray is an optional extra
+        except ImportError as error:
+            raise ConfigError(f"runtime=ray needs Ray ({error}): pip install 'pacerl[ray]'") from None
+        runtime = RayRuntime(config, run_dir, model, tokenizer, make_env)
+        engine, learner, make_episode = runtime.engine, runtime.learner, runtime.make_env
+    elif config.engine_backend == "sglang":
+        options = replace(
+            config.sglang,
+            weights_dir=config.sglang.weights_dir or str(run_dir / "weights"),
+            base_model_dir=config.sglang.base_model_dir or config.model.path,
+        )
+        engine = SGLangEngine(options)
+    else:
+        engine = EmbeddedEngine(build_twin(model), tokenizer, config.engine)
+    if runtime is None:
+        learner = Learner(model, config.learner, pad_id=int(tokenizer.pad_token_id or 0))
+    driver = RolloutDriver(engine, tokenizer, make_episode, config.rollout, num_experts=num_experts(model))
+    run = Run(
+        learner=learner,
+        engine=engine,
+        driver=driver,
+        tasks=tasks,
+        pool=TrajectoryPool(config.filter),
+        config=config.loop,
+        run_dir=run_dir,
+    )
+    if runtime is not None:
+        runtime.attach(run)
+    return run
+
+
+class WarmStartInterruptedError(Exception):
+    """Ctrl-C (or SIGTERM) during the SFT warm start: nothing to resume yet, the run starts over."""
+
+
+def warm_start(
+    config: RunConfig,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: Sequence[Task],
+    *,
+    stop: threading.Event | None = None,
+) -> dict[str, float]:
+    """Run the configured SFT on `model` if `config.sft` asks for it (demonstrating `sft.tasks`, else
+    `tasks`, the training tasks); its first and last loss. A progress bar on a terminal, a log line
+    every tenth of the steps otherwise. Setting `stop` ends it after the current step with
+    `WarmStartInterruptedError`."""
+    spec = config.sft
+    fresh = config.model.path is None
+    style, steps = spec.resolved(config.env.id)
+    if steps == 0 or spec.when == "never" or (spec.when == "fresh" and not fresh):
+        return {}
+    if spec.tasks is not None:
+        tasks = load_tasks(spec.tasks)
+    demos = demonstrations(
+        config.env.id,
+        tasks,
+        seed=config.seed,
+        style=style,
+        system_prompt=config.env.system_prompt,
+        tool_schemas=config.rollout.tool_schemas_in_prompt,
+        tokenizer=tokenizer,
+    )
+    sft_config = SFTConfig(lr=spec.lr, steps=steps, batch_size=spec.batch_size, seed=config.seed)
+    with ProgressDisplay(f"sft ({style})", steps, 0) as display:
+
+        def on_step(step: int, loss: float) -> bool:
+            display.show(step + 1, f"loss {loss:.3f}")
+            return stop is not None and stop.is_set()
+
+        losses = sft(model, demos, sft_config, on_step=on_step)
+    if stop is not None and stop.is_set():
+        raise WarmStartInterruptedError(
+            f"interrupted during the SFT warm start at step {len(losses)} of {steps}"
+        )
+    return {"sft/first_loss": losses[0], "sft/last_loss": losses[-1], "sft/steps": float(len(losses))}
+
+
+def seed_everything(config: RunConfig) -> None:
+    """Threads and seeds of torch, numpy and python."""
+    torch.set_num_threads(config.threads)
+    random.seed(config.seed)
+    np.random.seed(config.seed)
+    torch.manual_seed(config.seed)
+
+
+def build_twin(model: Any) -> Any:
+    """The engine's own copy of the trained model: generation goes on while the learner updates its
+    weights, so the two cannot share parameters; weights reach the engine only by publication."""
+    twin = type(model)(model.config)
+    twin.load_state_dict(model.state_dict())
+    return twin.eval()
+
+
+def num_experts(model: Any) -> int:
+    """Experts per MoE layer, 0 for a dense model (whose engine records no routes)."""
+    try:
+        return moe_info(model).num_experts
+    except ValueError:
+        return 0
+
+
+def background_evaluator(
+    config: RunConfig,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    version: int,
+    make_env: Callable[[], ToolEnv],
+) -> BackgroundEvaluator:
+    """The run's evaluator: its own engine on a twin of `model` at `version`, the held-out tasks
+    (`evaluation.tasks`, else the env's shipped validation set)."""
+    source = config.evaluation.tasks or env_class(config.env.id).validation_tasks
+    if source is None:
+        raise ConfigError(
+            f"config: evaluation.tasks: {config.env.id} ships no validation set: name a task file, or "
+            "turn evaluation off (evaluation.every=0 evaluation.at_start=false evaluation.at_end=false)"
+        )
+    return BackgroundEvaluator(
+        EmbeddedEngine(build_twin(model), tokenizer, version=version),
+        tokenizer,
+        make_env,
+        load_tasks(source),
+        config.evaluation.settings,
+        every=config.evaluation.every,
+        num_experts=num_experts(model),
+    )

@@ -1,0 +1,59 @@
+"""Progress on the terminal: a bar with a status text, or log lines when there is no terminal."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping
+from typing import Self
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+log = logging.getLogger(__name__)
+
+
+class ProgressDisplay:
+    """A progress bar labelled `label` with a status text on a terminal; without one (CI logs, pipes) a
+    log line at the first step, every `log_every` steps (default: a tenth of the total) and at the last."""
+
+    def __init__(self, label: str, total: int, done: int, *, log_every: int | None = None) -> None:
+        self.interactive = sys.stderr.isatty()
+        self.label, self.total = label, total
+        self.log_every = log_every or max(1, total // 10)
+        self.progress = Progress(
+            TextColumn(f"[bold]{label}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
+            disable=not self.interactive,
+        )
+        self.task = self.progress.add_task(label, total=total, completed=done, status="")
+
+    def __enter__(self) -> Self:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def show(self, step: int, status: str) -> None:
+        self.progress.update(self.task, completed=step, status=status)
+        if not self.interactive and (step in (1, self.total) or step % self.log_every == 0):
+            log.info("%s step %d/%d  %s", self.label, step, self.total, status)
+
+
+class StepDisplay(ProgressDisplay):
+    """The training bar: the step's reward, accuracy, staleness and pool occupancy; one log line per
+    step without a terminal."""
+
+    def __init__(self, total: int, done: int) -> None:
+        super().__init__("train", total, done, log_every=1)
+
+    def update(self, step: int, scalars: Mapping[str, float]) -> None:
+        self.show(
+            step,
+            f"reward {scalars.get('reward', 0.0):.2f}  acc {scalars.get('accuracy', 0.0):.2f}  "
+            f"staleness {scalars.get('staleness/mean_staleness', 0.0):.2f}  "
+            f"pool {scalars.get('pool_groups', 0.0):.0f}  v{scalars.get('version', 0.0):.0f}",
+        )
