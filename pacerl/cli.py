@@ -12,10 +12,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pacerl.calibrate import add_calibrate_parser
 from pacerl.evaluate import add_eval_parser
+from pacerl.lab.calibrate_cli import add_calibrate_parser
+from pacerl.lab.simulate_cli import add_simulate_parser
 from pacerl.plots import add_plot_parser
-from pacerl.simulate import add_simulate_parser
 from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
 from sandbox._http_guard import HttpGuardConfig
 

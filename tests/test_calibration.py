@@ -1,4 +1,4 @@
-"""`trainer.calibration` against hand-computed numbers (the collapse detector, the cross-check, η_max per
+"""`pacerl.lab.calibration` against hand-computed numbers (the collapse detector, the cross-check, η_max per
 S, Ĉ, B̂, the log-log fits, the recommendation), and `pacerl calibrate` end to end on a 2 × 2 grid of
 3-step runs on the Math-v0 sums from one shared warm start: its files, and a second call that skips the
 finished points and restarts the interrupted one."""
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from helpers import SUMS
 
-from pacerl.calibrate import POINT_FILE, available_cpus
 from pacerl.cli import main
-from trainer.calibration import (
+from pacerl.lab.calibrate_cli import POINT_FILE, available_cpus
+from pacerl.lab.calibration import (
     Spread,
     SweepPoint,
     censored_budget_floor,

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from agents.trajectory import Origin, Segment, Status, Trajectory
-from pacerl import simulate as cli_simulate
 from pacerl.cli import main
-from trainer.pool import FILTER_NAMES, FilterConfig, staleness_summary
-from trainer.simulation import (
+from pacerl.lab import simulate_cli as cli_simulate
+from pacerl.lab.engine import (
     PRESETS,
     Distribution,
     InferenceConfig,
@@ -30,6 +29,7 @@ from trainer.simulation import (
     simulate_mode,
     workload_from_trace,
 )
+from trainer.pool import FILTER_NAMES, FilterConfig, staleness_summary
 
 # Every response 100 tokens after a 10-token prompt, one turn: a wave of 8 rows on an engine takes
 # 100 steps of τ(8) = 0.01 + 8 · 0.001 = 0.018 s, i.e. 1.8 s, and nothing else costs time.
@@ -344,6 +344,6 @@ def test_bad_options_get_a_one_line_error(
 
 
 def test_the_command_keeps_its_name_lists_in_step() -> None:
-    # pacerl.simulate lists them itself so that `pacerl --help` need not import the trainer
+    # pacerl.lab.simulate_cli lists them itself so that `pacerl --help` need not import the trainer
     assert cli_simulate.FILTERS == FILTER_NAMES
     assert tuple(PRESETS) == cli_simulate.PRESET_NAMES

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.calibration import collapse_step
+from pacerl.lab.calibration import collapse_step
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY = "arm.json"  # beside the run's own summary.json

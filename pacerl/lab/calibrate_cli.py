@@ -1,5 +1,5 @@
 """`pacerl calibrate`: choose the publication interval S and the learning rate η of async GRPO together,
-from a coarse sweep (ALGORITHMS.md §8; `trainer.calibration` holds the detector and the fits).
+from a coarse sweep (ALGORITHMS.md §8; `pacerl.lab.calibration` holds the detector and the fits).
 
     pacerl calibrate --config run.toml --sync-intervals 1,2,4,8 --lrs 1e-4,3e-4,1e-3,3e-3 --steps 30 \
         --out runs/calibrate [--seeds 0,1] [--parallel 2] [--horizon 500] [--safety 0.5] [key=value ...]
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from pacerl.config import RunConfig
-    from trainer.calibration import (
+    from pacerl.lab.calibration import (
         CrossCheck,
         PowerLawFit,
         Recommendation,
@@ -414,7 +414,7 @@ def _last_line(log: Path) -> str:
 
 
 def _outcome(record: Mapping[str, Any]) -> str:
-    from trainer.calibration import collapse_step
+    from pacerl.lab.calibration import collapse_step
 
     step = collapse_step(record["reward"])
     return "stable" if step is None else f"collapsed at step {step}"
@@ -465,7 +465,7 @@ class CalibrationResult:
 
 def analyse(records: Sequence[Mapping[str, Any]], options: Options) -> CalibrationResult:
     """Detector, cross-check, boundaries and fits over the sweep's records."""
-    from trainer.calibration import (
+    from pacerl.lab.calibration import (
         SweepPoint,
         censored_budget_floor,
         collapse_budget,

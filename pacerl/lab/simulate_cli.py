@@ -1,4 +1,4 @@
-"""`pacerl simulate`: the async pipeline at cluster scale in simulated time (`trainer.simulation`), next to
+"""`pacerl simulate`: the async pipeline at cluster scale in simulated time (`pacerl.lab.engine`), next to
 its synchronous baseline on the same GPUs; prints a table and writes `simulation.json` and PNG plots.
 
     pacerl simulate --inference-gpus 96 --trainer-gpus 32 --filter pace --steps 1000 --out runs/sim
@@ -27,12 +27,12 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from trainer.simulation import ModeResult, Preset, SimConfig, SimResult
+    from pacerl.lab.engine import ModeResult, Preset, SimConfig, SimResult
 
 FILTERS = ("none", "max_age", "admission", "pace")
 """trainer.pool.FILTER_NAMES (a test keeps them equal): listed here so the parser imports no torch."""
 PRESET_NAMES = ("areal", "verl", "pacerl-cpu")
-"""trainer.simulation.PRESETS' names (a test keeps them equal)."""
+"""pacerl.lab.engine.PRESETS' names (a test keeps them equal)."""
 SIMULATION_FILE = "simulation.json"
 _DPI = 100
 
@@ -156,7 +156,7 @@ def build_config(args: argparse.Namespace) -> tuple[SimConfig, Preset | None]:
     overrides = _overrides(args)  # checked before the heavy import below
     file_data = _read_config(args.config) if args.config is not None else None
 
-    from trainer.simulation import PRESETS, SimConfig, config_from_dict, workload_from_trace
+    from pacerl.lab.engine import PRESETS, SimConfig, config_from_dict, workload_from_trace
 
     preset = PRESETS[preset_name]() if preset_name is not None else None
     config = preset.config if preset is not None else SimConfig()
@@ -207,7 +207,7 @@ def main_simulate(args: argparse.Namespace) -> int:
     config, preset = build_config(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)  # before the run: a bad --out fails in a second, not minutes
-    from trainer.simulation import simulate
+    from pacerl.lab.engine import simulate
 
     result = simulate(config)
     data = result.to_json()
