@@ -266,3 +266,11 @@ def test_a_max_age_below_the_publication_lag_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"filter\.max_age \(0\) must be >= loop\.sync_interval - 1 \(2\)"):
         load_config(None, ["filter.name=max_age", "filter.max_age=0", "loop.sync_interval=3"])
     assert load_config(None, ["filter.name=max_age", "filter.max_age=2", "loop.sync_interval=3"])
+
+
+def test_every_loss_name_has_one_registered_function() -> None:
+    from trainer.learner import POLICY_LOSSES
+
+    assert tuple(POLICY_LOSSES) == LOSSES == ("gspo", "gspo_token", "grpo", "decoupled_ppo", "gmc")
+    with pytest.raises(ValueError, match="loss name must be one of"):
+        LossConfig(name="ppo")  # type: ignore[arg-type]

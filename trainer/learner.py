@@ -38,8 +38,9 @@ import itertools
 import math
 import random
 import time
+import typing
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -73,7 +74,7 @@ _PER_UNIT = ("clip_fraction", "sat_gate_rate", "sat_active_rate", "sat_contracti
 """Shares, averaged over every update weighted by the entries they count (tokens, sequences, groups)."""
 _FIRST_PASS = ("mismatch", "mismatch_fresh", "routing_disagreement", "r3_coverage")
 """Engine-vs-trainer figures from the first epoch (each trajectory once), weighted by tokens."""
-LOSSES: tuple[LossName, ...] = ("gspo", "gspo_token", "grpo", "decoupled_ppo", "gmc")
+LOSSES: tuple[LossName, ...] = typing.get_args(LossName)
 ADVANTAGES: tuple[AdvantageName, ...] = ("grpo", "dr_grpo", "reinforce_pp")
 
 
@@ -125,6 +126,114 @@ class LossConfig:
             )
         if self.weight_cap <= 1 or self.gmc_eps <= 0 or self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("need weight_cap > 1, gmc_eps > 0, kl_coef >= 0 and entropy_coef >= 0")
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch as every policy loss sees it (`[B, T]` per token, `[B]` per sequence)."""
+
+    logprobs: torch.Tensor
+    """log π_θ of the targets, with gradient."""
+    proximal: torch.Tensor
+    """log-probs before the step's first update (detached): decoupled PPO's π_prox, `recompute`'s anchor."""
+    behaviour: torch.Tensor
+    """The rollout engine's log-probs, log μ."""
+    advantages: torch.Tensor
+    """One per sequence."""
+    mask: torch.Tensor
+    """True on trainable tokens."""
+    groups: torch.Tensor
+    """Group index per sequence (GMC caps each group's importance mass)."""
+    sat_threshold: torch.Tensor | None
+    """SAT's quantile over the whole mini-batch; None: the loss takes this micro-batch's."""
+    denominator: float
+    """The whole mini-batch's count its mean is over (`trainer.losses.mean_unit`)."""
+
+
+PolicyLoss = Callable[[LossInputs, LossConfig], LossOutput]
+"""A policy loss as the learner calls it: one micro-batch and the loss config."""
+
+
+def _clip(cfg: LossConfig) -> ClipConfig:
+    return ClipConfig(cfg.eps_low, cfg.eps_high)
+
+
+def _sat(cfg: LossConfig) -> SATConfig | None:
+    return SATConfig(cfg.sat_quantile, cfg.sat_kernel) if cfg.sat else None
+
+
+def _anchor(inputs: LossInputs, cfg: LossConfig) -> torch.Tensor:
+    return inputs.behaviour if cfg.ratio_anchor == "behaviour" else inputs.proximal
+
+
+def _gspo(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
+    return gspo_loss(
+        inputs.logprobs,
+        _anchor(inputs, cfg),
+        inputs.advantages,
+        inputs.mask,
+        _clip(cfg),
+        cfg.name == "gspo_token",
+        _sat(cfg),
+        inputs.behaviour,
+        sat_threshold=inputs.sat_threshold,
+        denominator=inputs.denominator,
+    )
+
+
+def _grpo(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
+    return grpo_loss(
+        inputs.logprobs,
+        _anchor(inputs, cfg),
+        inputs.advantages,
+        inputs.mask,
+        _clip(cfg),
+        cfg.aggregation,
+        _sat(cfg),
+        inputs.behaviour,
+        sat_threshold=inputs.sat_threshold,
+        denominator=inputs.denominator,
+    )
+
+
+def _decoupled_ppo(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
+    return decoupled_ppo_loss(
+        inputs.logprobs,
+        inputs.proximal,
+        inputs.behaviour,
+        inputs.advantages,
+        inputs.mask,
+        _clip(cfg),
+        behaviour_weight=cfg.behaviour_weight,
+        weight_cap=cfg.weight_cap,
+        aggregation=cfg.aggregation,
+        sat=_sat(cfg),
+        sat_threshold=inputs.sat_threshold,
+        denominator=inputs.denominator,
+    )
+
+
+def _gmc(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
+    return gmc_loss(
+        inputs.logprobs,
+        inputs.behaviour,
+        inputs.advantages,
+        inputs.mask,
+        inputs.groups,
+        eps=cfg.gmc_eps,
+        denominator=inputs.denominator,
+    )
+
+
+POLICY_LOSSES: dict[LossName, PolicyLoss] = {
+    "gspo": _gspo,
+    "gspo_token": _gspo,
+    "grpo": _grpo,
+    "decoupled_ppo": _decoupled_ppo,
+    "gmc": _gmc,
+}
+"""`learner.loss.name` → the loss. A new loss: a pure function in `trainer.losses`, an adapter here
+with this signature, and its name in `LossName`."""
 
 
 @dataclass(frozen=True)
@@ -531,8 +640,7 @@ class Learner:
         return ""
 
     def _sat_config(self) -> SATConfig | None:
-        cfg = self.config.loss
-        return SATConfig(cfg.sat_quantile, cfg.sat_kernel) if cfg.sat else None
+        return _sat(self.config.loss)
 
     def _loss(
         self,
@@ -545,55 +653,17 @@ class Learner:
         denominator: float,
     ) -> LossOutput:
         """The configured loss of one micro-batch; `proximal`: log-probs before the step's first update."""
-        cfg = self.config.loss
-        clip = ClipConfig(cfg.eps_low, cfg.eps_high)
-        sat = self._sat_config()
-        mask, behaviour = batch.loss_mask, batch.behaviour.to(logprobs.dtype)
-        old = behaviour if cfg.ratio_anchor == "behaviour" else proximal
-        if cfg.name in ("gspo", "gspo_token"):
-            return gspo_loss(
-                logprobs,
-                old,
-                advantages,
-                mask,
-                clip,
-                cfg.name == "gspo_token",
-                sat,
-                behaviour,
-                sat_threshold=threshold,
-                denominator=denominator,
-            )
-        if cfg.name == "grpo":
-            return grpo_loss(
-                logprobs,
-                old,
-                advantages,
-                mask,
-                clip,
-                cfg.aggregation,
-                sat,
-                behaviour,
-                sat_threshold=threshold,
-                denominator=denominator,
-            )
-        if cfg.name == "decoupled_ppo":
-            return decoupled_ppo_loss(
-                logprobs,
-                proximal,
-                behaviour,
-                advantages,
-                mask,
-                clip,
-                behaviour_weight=cfg.behaviour_weight,
-                weight_cap=cfg.weight_cap,
-                aggregation=cfg.aggregation,
-                sat=sat,
-                sat_threshold=threshold,
-                denominator=denominator,
-            )
-        return gmc_loss(
-            logprobs, behaviour, advantages, mask, groups, eps=cfg.gmc_eps, denominator=denominator
+        inputs = LossInputs(
+            logprobs=logprobs,
+            proximal=proximal,
+            behaviour=batch.behaviour.to(logprobs.dtype),
+            advantages=advantages,
+            mask=batch.loss_mask,
+            groups=groups,
+            sat_threshold=threshold,
+            denominator=denominator,
         )
+        return POLICY_LOSSES[self.config.loss.name](inputs, self.config.loss)
 
     def _kl(self, logprobs: torch.Tensor, batch: TokenBatch) -> torch.Tensor | None:
         if self.reference is None:
