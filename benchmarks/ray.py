@@ -46,7 +46,7 @@ from agents.rollout import EpisodeEnv, RolloutDriver
 from envs import Task
 from pacerl.assembly import build_twin, env_factory, load_policy, training_tasks
 from pacerl.config import RunConfig, load_config
-from pacerl.runtime_ray import RayRuntime
+from pacerl.ray_runtime.runtime import RayRuntime
 
 ACTION = "The answer is \\boxed{6}"
 

@@ -106,7 +106,7 @@ def build_run(
     runtime = None
     if config.runtime == "ray":
         try:
-            from pacerl.runtime_ray import RayRuntime  # Ray is an optional extra
+            from pacerl.ray_runtime.runtime import RayRuntime  # Ray is an optional extra
         except ImportError as error:
             raise ConfigError(f"runtime=ray needs Ray ({error}): pip install 'pacerl[ray]'") from None
         runtime = RayRuntime(config, run_dir, model, tokenizer, make_env)

@@ -29,7 +29,7 @@ from agents.engine import EmbeddedEngine, SamplingParams
 from agents.models import load_model
 from pacerl.assembly import env_factory, load_policy
 from pacerl.config import ConfigError, config_from_dict, load_config
-from pacerl.runtime_ray import FAULT_LOG, NAMESPACE, RayRuntime
+from pacerl.ray_runtime.runtime import FAULT_LOG, NAMESPACE, RayRuntime
 from pacerl.train import train
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.metrics import read_metrics

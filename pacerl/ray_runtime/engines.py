@@ -2,10 +2,10 @@
 
 - `EngineActor`: one engine replica, an `EmbeddedEngine` on its own copy of the model (CPU or a GPU)
   or the client of one SGLang server.
-- `EnvWorker` (in `pacerl.ray_envs`, which imports no torch): the environments of many episodes.
+- `EnvWorker` (in `pacerl.ray_runtime.envs`, which imports no torch): the environments of many episodes.
 - `TrainerActor`: the `Learner`, its model and optimizer.
 
-The classes are plain Python; `pacerl.runtime_ray` turns them into actors (`ray.remote(...)`) and
+The classes are plain Python; `pacerl.ray_runtime.runtime` turns them into actors (`ray.remote(...)`) and
 supervises them. Nothing here decides where anything runs.
 """
 

@@ -1,5 +1,5 @@
 """`runtime = "ray"`: engine replicas, environment workers and the trainer as Ray actors
-(`pacerl.ray_actors`), under the local runtime's own rollout driver, pool, filter and loops.
+(`pacerl.ray_runtime.engines`), under the local runtime's own rollout driver, pool, filter and loops.
 
 The runtime only decides where each part runs. The driver process keeps the `Run`; it sees
 
@@ -43,8 +43,15 @@ from agents.rollout import EpisodeEnv
 from agents.trajectory import Trajectory
 from envs import Message, ToolEnv
 from pacerl.config import RaySpec, RunConfig
-from pacerl.ray_actors import EngineActor, EngineSpec, ModelRecipe, ReplicaNotReady, TrainerActor, WeightSpec
-from pacerl.ray_envs import EnvWorker, Step
+from pacerl.ray_runtime.engines import (
+    EngineActor,
+    EngineSpec,
+    ModelRecipe,
+    ReplicaNotReady,
+    TrainerActor,
+    WeightSpec,
+)
+from pacerl.ray_runtime.envs import EnvWorker, Step
 from trainer.checkpoint import latest_checkpoint
 from trainer.learner import StepResult
 from trainer.loop import Run

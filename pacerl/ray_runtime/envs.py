@@ -16,7 +16,7 @@ Step = tuple[tuple[Message, ...], float, bool, bool, dict[str, Any]]
 
 class EnvWorker:
     """Hosts the environments of many episodes (and their sandboxes), each under the key of the proxy
-    that plays it (`pacerl.runtime_ray.RemoteEnv`). An episode is started by its first step, which
+    that plays it (`pacerl.ray_runtime.runtime.RemoteEnv`). An episode is started by its first step, which
     brings the reset options and, after the loss of the worker that held it, the actions to replay."""
 
     def __init__(self, make_env: Callable[[], ToolEnv]) -> None:

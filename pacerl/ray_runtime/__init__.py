@@ -1,0 +1,1 @@
+"""`runtime = "ray"`: the run's parts as Ray actors (docs/ray.md)."""
