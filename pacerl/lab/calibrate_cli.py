@@ -1,5 +1,6 @@
 """`pacerl calibrate`: choose the publication interval S and the learning rate η of async GRPO together,
-from a coarse sweep (ALGORITHMS.md §8; `pacerl.lab.calibration` holds the detector and the fits).
+from a coarse sweep (ALGORITHMS.md §8; `pacerl.lab.calibration` holds the detector and the fits,
+`pacerl.lab.calibration_report` the analysis of a sweep and the files it writes).
 
     pacerl calibrate --config run.toml --sync-intervals 1,2,4,8 --lrs 1e-4,3e-4,1e-3,3e-3 --steps 30 \
         --out runs/calibrate [--seeds 0,1] [--parallel 2] [--horizon 500] [--safety 0.5] [key=value ...]
@@ -24,39 +25,29 @@ this parser for every subcommand.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-if TYPE_CHECKING:
-    from matplotlib.axes import Axes
+from pacerl.lab.calibration import collapse_step
+from pacerl.lab.calibration_report import analyse, jsonable, markdown_report, plot_stability
 
+if TYPE_CHECKING:
     from pacerl.config import RunConfig
-    from pacerl.lab.calibration import (
-        CrossCheck,
-        PowerLawFit,
-        Recommendation,
-        Spread,
-        StabilityBoundary,
-        SweepPoint,
-    )
 
 POINT_FILE = "point.json"
 REPORT_FILE = "calibration.md"
 RESULT_FILE = "calibration.json"
 PLOT_FILE = "stability.png"
 WARM_START_DIR = "warm-start"
-FINAL_WINDOW = 5
-"""Steps whose mean training reward is the table's "final reward"."""
 
 DEFAULT_SETTINGS: dict[str, Any] = {
     "evaluation.every": 0,
@@ -283,7 +274,7 @@ def main_calibrate(options: Options) -> int:
     report = markdown_report(result, options)
     (options.out / REPORT_FILE).write_text(report, encoding="utf-8")
     settings = {key: value for key, value in vars(options).items() if key not in ("config", "out")}
-    data = {"settings": _jsonable(settings), **_jsonable(result)}
+    data = {"settings": jsonable(settings), **jsonable(result)}
     (options.out / RESULT_FILE).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     plot_stability(result, options.out / PLOT_FILE)
     print(report)
@@ -414,328 +405,5 @@ def _last_line(log: Path) -> str:
 
 
 def _outcome(record: Mapping[str, Any]) -> str:
-    from pacerl.lab.calibration import collapse_step
-
     step = collapse_step(record["reward"])
     return "stable" if step is None else f"collapsed at step {step}"
-
-
-# --- analysis ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PointResult:
-    """One run, as the report shows it."""
-
-    point: SweepPoint
-    """Its grid position and collapse step."""
-    final_reward: float
-    """Mean training reward of the last `FINAL_WINDOW` steps."""
-    peak_reward: float
-    """The running maximum of the smoothed reward the detector compares against."""
-    check: CrossCheck
-    """Entropy and grad-norm evidence."""
-    wall_s: float
-    """Seconds the run trained."""
-    rewards: list[float]
-    """The training reward of every step (what the detector read)."""
-
-
-@dataclass(frozen=True)
-class CalibrationResult:
-    """Everything the report, the JSON and the plot show."""
-
-    points: list[PointResult]
-    """Every run, in grid order."""
-    boundaries: list[StabilityBoundary]
-    """η_max per S."""
-    c_hat: Spread | None
-    """Ĉ = S·η_max over the bracketed S."""
-    b_hat: Spread | None
-    """B̂ = T_c·η over the collapsed runs."""
-    lr_fit: PowerLawFit
-    """η_max against S."""
-    time_fit: PowerLawFit
-    """T_c against η."""
-    budget_floor: float | None
-    """The largest T_max·η among the runs that never collapsed."""
-    recommendations: list[Recommendation]
-    """The recommended η per S of the grid, at the horizon."""
-
-
-def analyse(records: Sequence[Mapping[str, Any]], options: Options) -> CalibrationResult:
-    """Detector, cross-check, boundaries and fits over the sweep's records."""
-    from pacerl.lab.calibration import (
-        SweepPoint,
-        censored_budget_floor,
-        collapse_budget,
-        collapse_step,
-        collapse_time_fit,
-        cross_check,
-        lr_max_fit,
-        recommend_lr,
-        smoothed,
-        stability_boundaries,
-        stability_constant,
-    )
-
-    results = []
-    for record in records:
-        rewards = record["reward"]
-        point = SweepPoint(
-            record["sync_interval"], record["lr"], record["seed"], record["steps"], collapse_step(rewards)
-        )
-        tail = rewards[-FINAL_WINDOW:]
-        results.append(
-            PointResult(
-                point=point,
-                final_reward=sum(tail) / len(tail),
-                peak_reward=max(smoothed(rewards)),
-                check=cross_check(record["entropy"], record["grad_norm"]),
-                wall_s=record["wall_s"],
-                rewards=list(rewards),
-            )
-        )
-    points = [result.point for result in results]
-    boundaries = stability_boundaries(points)
-    c_hat, b_hat = stability_constant(boundaries), collapse_budget(points)
-    return CalibrationResult(
-        points=results,
-        boundaries=boundaries,
-        c_hat=c_hat,
-        b_hat=b_hat,
-        lr_fit=lr_max_fit(boundaries),
-        time_fit=collapse_time_fit(points),
-        budget_floor=censored_budget_floor(points),
-        recommendations=[
-            recommend_lr(c_hat, b_hat, b.sync_interval, options.horizon, options.safety, boundary=b)
-            for b in boundaries
-        ],
-    )
-
-
-# --- report --------------------------------------------------------------------------------------------
-
-
-def _g(value: float | None, digits: int = 2) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value:.{digits}g}" if abs(value) < 1e-2 or abs(value) >= 1e3 else f"{value:.{digits + 1}g}"
-
-
-def _spread_text(name: str, value: Spread | None, missing: str) -> str:
-    if value is None:
-        return f"- {name}: not estimated ({missing})."
-    return (
-        f"- {name}: median {value.median:.3g}, range {value.low:.3g} – {value.high:.3g} "
-        f"(max/min {value.ratio:.2f}, {value.count} value{'s' if value.count != 1 else ''})."
-    )
-
-
-def _fit_text(name: str, fit: PowerLawFit) -> str:
-    if fit.exponent is None:
-        return f"- {name}: no fit ({fit.note})."
-    error = f" ± {fit.stderr:.2f}" if fit.stderr is not None else f" ({fit.note})"
-    return f"- {name}: exponent {fit.exponent:.2f}{error} over {fit.points} points (the law: −1)."
-
-
-def _braces(values: Iterable[object]) -> str:
-    return "{" + ", ".join(str(value) for value in values) + "}"
-
-
-def markdown_report(result: CalibrationResult, options: Options) -> str:
-    """calibration.md: the grid table, then η_max per S, Ĉ, B̂, the exponents and the recommendation."""
-    lines = [
-        "# Calibration of S and η (vanilla async GRPO)",
-        "",
-        f"{len(result.points)} runs of {options.steps} steps: S ∈ {_braces(options.sync_intervals)} × "
-        f"η ∈ {_braces(f'{lr:g}' for lr in options.lrs)} × seeds {_braces(options.seeds)}"
-        + (f"; overrides: `{' '.join(options.overrides)}`" if options.overrides else "")
-        + ". Collapse: the EMA-smoothed training reward (span 10) below half its running maximum without "
-        "climbing back to 80% of it (ALGORITHMS.md §8); runs that never collapse are censored at "
-        f"{options.steps} steps.",
-        "",
-        "| S | η | seed | collapsed | T_c | T_c·η | final reward | peak reward (EMA) | max grad-norm "
-        "| entropy drop | cross-check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in result.points:
-        point, check = row.point, row.check
-        budget = None if point.collapse_step is None else point.collapse_step * point.lr
-        lines.append(
-            f"| {point.sync_interval} | {point.lr:g} | {point.seed} | {'yes' if point.collapsed else 'no'} "
-            f"| {point.collapse_step if point.collapsed else '–'} | {_g(budget)} | {row.final_reward:.3f} "
-            f"| {row.peak_reward:.3f} | {_g(check.max_grad_norm)} | {_g(check.entropy_drop)} "
-            f"| {', '.join(check.signals) or '–'} |"
-        )
-    lines += ["", "## η_max per S", ""]
-    for boundary in result.boundaries:
-        if boundary.lr_collapse is None:
-            text = f"≥ {boundary.lr_max:g} (no η collapsed: censored, a lower bound)"
-        elif boundary.lr_max is None:
-            text = f"< {boundary.lr_collapse:g} (the smallest η collapsed)"
-        else:
-            text = f"{boundary.lr_max:g} (collapsed from {boundary.lr_collapse:g})"
-        if boundary.non_monotone:
-            text += "; a larger η stayed stable: noisy"
-        lines.append(f"- S = {boundary.sync_interval}: η_max {text}")
-    lines += ["", "## The laws", ""]
-    lines.append(_spread_text("Ĉ = S·η_max", result.c_hat, "no S has both a stable and a collapsing η"))
-    lines.append(_fit_text("η_max ∝ S^k", result.lr_fit))
-    lines.append(_spread_text("B̂ = T_c·η", result.b_hat, "no run collapsed"))
-    lines.append(_fit_text("T_c ∝ η^k (collapsed runs, all S)", result.time_fit))
-    if result.budget_floor is not None:
-        above = result.b_hat is not None and result.budget_floor > result.b_hat.median
-        lines.append(
-            f"- Censored runs: the largest T_max·η that never collapsed is {result.budget_floor:.3g}"
-            + (
-                ", above B̂: no single cumulative budget T·η explains both the collapsed runs and the "
-                "surviving ones."
-                if above
-                else "."
-            )
-        )
-    lines += [
-        "",
-        f"## Recommended η for a {options.horizon}-step run (κ = {options.safety:g})",
-        "",
-        "η = κ·min(Ĉ/S, B̂/T), and at most κ·η_max where the sweep measured η_max at that S.",
-        "",
-        "| S | Ĉ/S | η_max measured | B̂/T | η | binding |",
-        "|---|---|---|---|---|---|",
-    ]
-    for advice in result.recommendations:
-        lines.append(
-            f"| {advice.sync_interval} | {_g(advice.staleness_limit)} | {_g(advice.measured_limit)} "
-            f"| {_g(advice.budget_limit)} | {_g(advice.lr)} | {advice.binding or '–'} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def _jsonable(value: Any) -> Any:
-    """Dataclasses as dicts with their properties (collapsed, bracketed, ratio), NaN and infinities as
-    null (strict JSON)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        data = {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
-        for name in dir(type(value)):
-            if isinstance(getattr(type(value), name, None), property):
-                data[name] = getattr(value, name)
-        return _jsonable(data)
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-# --- plot ----------------------------------------------------------------------------------------------
-
-
-def plot_stability(result: CalibrationResult, path: Path) -> None:
-    """stability.png: left, the S × η map (stable ○, collapsed ×, some seeds collapsed ◐, with T_c
-    beside each collapse) with the boundary Ĉ/S and the fitted η_max(S); right, T_c against η for
-    the collapsed runs with B̂/η."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(11, 4.5))
-    FigureCanvasAgg(figure)
-    left, right = figure.subplots(1, 2)
-    _stability_map(left, result)
-    _collapse_times(right, result)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
-def _stability_map(ax: Axes, result: CalibrationResult) -> None:
-    cells: dict[tuple[int, float], list[SweepPoint]] = {}
-    for row in result.points:
-        cells.setdefault((row.point.sync_interval, row.point.lr), []).append(row.point)
-    styles: dict[str, tuple[str, str]] = {
-        "stable": ("o", "tab:green"),
-        "collapsed": ("X", "tab:red"),
-        "some seeds collapsed": ("D", "tab:orange"),
-    }
-    shown: set[str] = set()
-    for (interval, lr), members in sorted(cells.items()):
-        collapsed = [p for p in members if p.collapsed]
-        kind = (
-            "stable"
-            if not collapsed
-            else "collapsed"
-            if len(collapsed) == len(members)
-            else "some seeds collapsed"
-        )
-        marker, colour = styles[kind]
-        ax.scatter(
-            [interval],
-            [lr],
-            marker=marker,
-            color=colour,
-            s=90,
-            label=None if kind in shown else kind,
-            zorder=3,
-        )
-        shown.add(kind)
-        if collapsed:
-            times = sorted(p.collapse_step for p in collapsed if p.collapse_step is not None)
-            ax.annotate(f"T_c={','.join(map(str, times))}", (interval, lr), textcoords="offset points",
-                        xytext=(7, -3), fontsize=7)  # fmt: skip
-    intervals = sorted({s for s, _ in cells})
-    span = [intervals[0] / 1.3, intervals[-1] * 1.3]
-    if result.c_hat is not None:
-        c = result.c_hat.median
-        ax.plot(span, [c / s for s in span], "k--", label=f"Ĉ/S, Ĉ = {c:.3g}")
-    fit = result.lr_fit
-    if fit.exponent is not None and fit.prefactor is not None:
-        ax.plot(span, [fit.prefactor * s**fit.exponent for s in span], ":", color="tab:blue",
-                label=f"fit: η_max ∝ S^{fit.exponent:.2f}")  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.minorticks_off()  # the grid's own values label the axes
-    ax.set_xticks(intervals, [str(s) for s in intervals])
-    rates = sorted({lr for _, lr in cells})
-    ax.set_yticks(rates, [f"{lr:g}" for lr in rates])
-    ax.set_xlabel("S (publication interval, updates)")
-    ax.set_ylabel("η (learning rate)")
-    ax.set_title("stability map")
-    ax.legend(fontsize=7, loc="best")
-
-
-def _collapse_times(ax: Axes, result: CalibrationResult) -> None:
-    collapsed = [row.point for row in result.points if row.point.collapse_step is not None]
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("η (learning rate)")
-    ax.set_ylabel("T_c (collapse step)")
-    ax.set_title("collapse time of the collapsed runs")
-    if not collapsed:
-        ax.text(0.5, 0.5, "no run collapsed", transform=ax.transAxes, ha="center", va="center")
-        return
-    # Runs at different S often share (η, T_c): smaller S are drawn larger and first, so each shows.
-    for order, interval in enumerate(sorted({p.sync_interval for p in collapsed})):
-        members = [p for p in collapsed if p.sync_interval == interval]
-        ax.scatter(
-            [p.lr for p in members],
-            [p.collapse_step or 0 for p in members],
-            label=f"S = {interval}",
-            marker="osD^v<>"[order % 7],
-            s=max(20, 130 - 30 * order),
-            zorder=3 + order,
-        )
-    rates = sorted({p.lr for p in collapsed})
-    times = sorted({p.collapse_step or 0 for p in collapsed})
-    ax.minorticks_off()
-    ax.set_xticks(rates, [f"{lr:g}" for lr in rates])
-    ax.set_yticks(times, [str(t) for t in times])
-    if result.b_hat is not None:
-        span = [rates[0] / 1.5, rates[-1] * 1.5]
-        ax.plot(
-            span,
-            [result.b_hat.median / lr for lr in span],
-            "k--",
-            label=f"B̂/η, B̂ = {result.b_hat.median:.3g}",
-        )
-    ax.legend(fontsize=7, loc="best")

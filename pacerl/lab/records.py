@@ -1,0 +1,110 @@
+"""What the simulator hands the real pool: finished episodes as `agents.trajectory.Trajectory` records,
+and the drift model PACE ranks them by.
+
+Records hold synthetic token ids. With `token_block` > 1 one record token stands for that many real
+tokens (segment lengths rounded, at least one), which keeps 30k-token trajectories cheap; the timing
+and token accounting use exact counts, the staleness statistics the record's (block-rounded) ones.
+
+**Prefix drift for PACE** (`DriftScorer`): F(τ) = u_τ · (token-mean version gap v_now − v_t), with
+u_τ a per-trajectory sensitivity, lognormal(0, `drift_sigma`), fixed by a hash of the seed and the
+trajectory id. Drift grows with the version gap; u_τ spreads trajectories of equal gap so PACE's
+percentile ranking has something to rank. A model, not a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import zlib
+from collections.abc import Sequence
+
+from agents.trajectory import Origin, Segment, Status, Trajectory
+from pacerl.lab.state import Episode
+
+
+class RecordMaker:
+    """Builds the records of finished episodes, `block` real tokens to a record token; segments of one
+    length are validated once and copied after (segments are immutable)."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self._templates: dict[int, Segment] = {}
+        self._tool_segments: dict[int, Segment] = {}
+
+    def blocks(self, tokens: int) -> int:
+        """Record tokens standing for `tokens` real ones (at least one)."""
+        return max(1, round(tokens / self.block)) if self.block > 1 else tokens
+
+    def prompt(self, tokens: int) -> Segment:
+        """The prompt segment a group's members share."""
+        return Segment(Origin.PROMPT, (0,) * self.blocks(tokens))
+
+    def record(self, episode: Episode, prompt: Segment, version: int, now: float) -> Trajectory:
+        """The finished episode as a real Trajectory (synthetic token ids; see `token_block`), completed
+        at trainer version `version` and time `now`; the group's members share one prompt segment and
+        tool segments of one length are shared too."""
+        group, block = episode.group, self.block
+        segments = [prompt]
+        tools = self._tool_segments
+        for origin, tokens, seg_version, started, ended, reason in episode.parts:
+            count = max(1, round(tokens / block)) if block > 1 else tokens
+            if origin is Origin.TOOL:
+                tool = tools.get(count)
+                if tool is None:
+                    tool = tools[count] = Segment(Origin.TOOL, (2,) * count)
+                segments.append(tool)
+            else:
+                segments.append(self.model_segment(count, seg_version, started, ended, reason))
+        return Trajectory(
+            id=f"{group.id}-{episode.index}",
+            group_id=group.id,
+            task_id=group.id,
+            segments=tuple(segments),
+            status=Status.COMPLETED,
+            status_reason="answered",
+            reward=0.0,
+            completed_version=version,
+            completed_at=now,
+        )
+
+    def model_segment(self, count: int, version: int, started: float, ended: float, reason: str) -> Segment:
+        """A model segment of `count` tokens: a copy of a validated template of that length with its own
+        version, times and finish reason. Segment's constructor re-validates every token and log-prob,
+        which made it the largest cost of a run; the copy keeps the validated tokens and checks the
+        four fields it sets (the Trajectory built from it validates the whole record again)."""
+        template = self._templates.get(count)
+        if template is None:
+            template = self._templates[count] = Segment(
+                Origin.MODEL, (1,) * count, (-1.0,) * count, 0, 0.0, 0.0, "stop"
+            )
+        if not (version >= 0 and 0.0 <= started <= ended and reason):
+            raise RuntimeError(f"invalid simulated segment: v{version} [{started}, {ended}] {reason!r}")
+        segment = Segment.__new__(Segment)
+        # frozen: the fields go straight into the instance dict, as the dataclass's __init__ puts them
+        segment.__dict__.update(
+            template.__dict__, version=version, started_at=started, ended_at=ended, finish_reason=reason
+        )
+        return segment
+
+
+class DriftScorer:
+    """The PACE drift model (module docstring) of one run: `seed` fixes each trajectory's sensitivity,
+    `sigma` their log-space spread."""
+
+    def __init__(self, seed: int, sigma: float) -> None:
+        self.seed, self.sigma = seed, sigma
+        self._normal = statistics.NormalDist()
+
+    def __call__(self, trajectories: Sequence[Trajectory], version: int) -> list[float]:
+        """Sensitivity × token-mean version gap at trainer version `version`, one score a trajectory."""
+        scores = []
+        for trajectory in trajectories:
+            lag = tokens = 0
+            for segment in trajectory.segments:
+                if segment.version is not None:
+                    lag += (version - segment.version) * len(segment.tokens)
+                    tokens += len(segment.tokens)
+            digest = zlib.crc32(f"{self.seed}:{trajectory.id}".encode())
+            z = self._normal.inv_cdf((digest + 0.5) / 2**32)
+            scores.append(math.exp(self.sigma * z) * lag / tokens if tokens else 0.0)
+        return scores
