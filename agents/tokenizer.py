@@ -30,6 +30,7 @@ from envs import code_math, get_tool, load_tasks
 from envs import math as math_env
 from envs import search as search_env
 from envs.chat_template import CHATML_TOOLS_TEMPLATE
+from envs.jsonl import read_jsonl
 from envs.spaces import Message
 from envs.tasks import DATA_DIR
 from envs.tools.search import format_documents
@@ -176,8 +177,7 @@ def _math_episode(question: str, answer: str) -> list[Message]:
 
 
 def _search_documents() -> list[str]:
-    lines = (DATA_DIR / "search-corpus.jsonl").read_text().splitlines()
-    return [str(json.loads(line)["contents"]) for line in lines if line.strip()]
+    return [str(row["contents"]) for _, row in read_jsonl(DATA_DIR / "search-corpus.jsonl")]
 
 
 _SUBJECT_RE = re.compile(r"was (\w+) first recorded|described (\w+)\?")

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from agents.routing import RoutedExperts
+from envs.jsonl import read_jsonl
 
 
 class Origin(enum.StrEnum):
@@ -525,14 +526,11 @@ def save_jsonl(path: str | Path, trajectories: Iterable[Trajectory]) -> int:
 def load_jsonl(path: str | Path) -> list[Trajectory]:
     """Read what `save_jsonl` wrote; a bad line raises with its line number."""
     trajectories: list[Trajectory] = []
-    with Path(path).open(encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                trajectories.append(Trajectory.from_json(json.loads(line)))
-            except ValueError as error:
-                raise ValueError(f"{path}:{number}: {error}") from error
+    for number, row in read_jsonl(path):
+        try:
+            trajectories.append(Trajectory.from_json(row))
+        except ValueError as error:
+            raise ValueError(f"{path}:{number}: {error}") from error
     ids = [t.id for t in trajectories]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: duplicate trajectory ids")

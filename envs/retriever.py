@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import socket
 import threading
@@ -55,6 +54,7 @@ import pydantic
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from envs.jsonl import read_jsonl
 from sandbox._http_guard import Gate, HttpGuardConfig, guard_app, run_server
 
 _uvicorn_log = logging.getLogger("uvicorn.error")
@@ -100,20 +100,11 @@ class BM25Index:
         (with the line number) if a line is not a document."""
         path = Path(path)
         rows: list[Document] = []
-        with path.open("rb") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
-                except UnicodeDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not UTF-8 text ({error.reason})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{number}: a document must be a JSON object")
-                identifier, contents = _normalize(row, len(rows), f"{path}:{number}")
-                rows.append({"id": identifier, "contents": contents})
+        for number, row in read_jsonl(path):
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: a document must be a JSON object")
+            identifier, contents = _normalize(row, len(rows), f"{path}:{number}")
+            rows.append({"id": identifier, "contents": contents})
         if not rows:
             raise ValueError(f"{path}: the corpus has no documents")
         return cls(rows, k1=k1, b=b)

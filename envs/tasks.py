@@ -12,13 +12,14 @@ is kept in `Task.metadata`. The shipped files in envs/data/ were made by the gen
 from __future__ import annotations
 
 import functools
-import json
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from envs.jsonl import read_jsonl, write_jsonl
 
 DATA_DIR = Path(str(resources.files("envs").joinpath("data")))
 
@@ -103,19 +104,7 @@ def _read_task_file(path: Path, mtime_ns: int, size: int) -> tuple[Task, ...]:
         import pyarrow.parquet as pq
 
         return tuple(_from_rows(pq.read_table(path).to_pylist()))
-    return tuple(_from_rows(_read_jsonl(path)))
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with path.open() as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
-    return rows
+    return tuple(_from_rows(row for _, row in read_jsonl(path)))
 
 
 def _from_rows(rows: Iterable[Mapping[str, Any]]) -> list[Task]:
@@ -126,13 +115,6 @@ def _from_rows(rows: Iterable[Mapping[str, Any]]) -> list[Task]:
     if len(set(ids)) != len(ids):
         raise ValueError("task ids must be unique")
     return tasks
-
-
-def write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")
 
 
 # -- generators -----------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ import numpy as np
 import numpy.typing as npt
 from numpy.typing import ArrayLike
 
+from envs.jsonl import read_jsonl
+
 if TYPE_CHECKING:
     # matplotlib is imported where a figure is drawn: `pacerl.cli` imports this module for its parser,
     # and every other command would otherwise pay matplotlib's second of start-up.
@@ -78,18 +80,9 @@ def load_run_metrics(run_dir: Path) -> RunMetrics:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise ValueError(f"{run_dir} has no {METRICS_FILE}; is it a run directory?")
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    if lines[-1].strip():
-        lines[-1] = ""  # partial: a live run flushes whole lines only
     merged: dict[int, dict[str, object]] = {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
+    # A live run flushes whole lines only: a last line without its newline is still being written.
+    for number, row in read_jsonl(path, skip_partial_last=True):
         step = row.get("step") if isinstance(row, dict) else None
         if not isinstance(step, int) or isinstance(step, bool):
             raise ValueError(f"{path}:{number}: not a metrics row (no integer 'step')")

@@ -21,6 +21,8 @@ from typing import Any, TextIO
 import numpy as np
 from tensorboardX import SummaryWriter
 
+from envs.jsonl import read_jsonl
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"
 _RESERVED = frozenset({"step", "time", "nonfinite"})
@@ -117,5 +119,4 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
-    with path.open(encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    return [row for _, row in read_jsonl(path)]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pacerl.lab.calibration import collapse_step
+from trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY = "arm.json"  # beside the run's own summary.json
@@ -74,7 +75,7 @@ def run_arm(arm: Arm, base: Mapping[str, Any], runs: Path) -> dict[str, Any]:
 
 def summarise(run_dir: Path) -> dict[str, Any]:
     """The figures the tables report, from a finished run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run_dir)
     train = [row for row in rows if "reward" in row]
     evals = [row for row in rows if "eval/accuracy" in row]
     # Seconds count from the first record: the end of the evaluation before training.
