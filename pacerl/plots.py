@@ -139,7 +139,7 @@ def plot_run(run_dir: Path) -> list[Path]:
     for name, draw in drawers:
         figure = draw(metrics, run_dir)
         figure.suptitle(f"{run_dir.resolve().name}: {name}")
-        written.append(_save(figure, out / f"{name}.png"))
+        written.append(save_png(figure, out / f"{name}.png"))
     return written
 
 
@@ -379,12 +379,13 @@ def _pace_target(run_dir: Path) -> int | None:
     return target if isinstance(target, int) else None
 
 
-def _save(figure: Figure, path: Path) -> Path:
-    """Write the PNG beside its final name and rename it, so a viewer never reads half a file."""
+def save_png(figure: Figure, path: Path, *, dpi: int = _DPI) -> Path:
+    """The project's one way to write a figure: the PNG is written beside its final name and renamed,
+    so a viewer never reads half a file (a figure made without pyplot gets its Agg canvas here)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(figure)
     partial = path.with_name(f".{path.name}.partial")
-    figure.savefig(partial, format="png", dpi=_DPI)
+    figure.savefig(partial, format="png", dpi=dpi)
     os.replace(partial, path)
     return path

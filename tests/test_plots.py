@@ -100,13 +100,13 @@ def test_missing_keys_say_not_recorded(tmp_path: Path, monkeypatch: pytest.Monke
         for step in range(1, 4):
             writer.write(step, {"reward": 0.1 * step})
     drawn: dict[str, Figure] = {}
-    save = plots._save
+    save = plots.save_png
 
     def keep(figure: Figure, path: Path) -> Path:
         drawn[path.name] = figure
         return save(figure, path)
 
-    monkeypatch.setattr(plots, "_save", keep)
+    monkeypatch.setattr(plots, "save_png", keep)
 
     paths = plots.plot_run(tmp_path)
 

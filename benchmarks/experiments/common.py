@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pacerl.lab.calibration import collapse_step
+from pacerl.plots import save_png
 from trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,7 +168,7 @@ def plot_curves(summaries: Sequence[Mapping[str, Any]], path: Path, title: str) 
     axes.set_title(title)
     axes.legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save_png(figure, Path(path), dpi=110)
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
