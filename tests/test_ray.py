@@ -289,6 +289,17 @@ def test_ray_settings_are_checked_at_load() -> None:
     assert load_config(None, ["runtime=ray", "ray.num_engine_replicas=3"]).ray.num_engine_replicas == 3
 
 
+def test_environment_workers_import_no_torch() -> None:
+    """Ray imports the worker's module (and its package) in every environment worker: no torch there."""
+    check = (
+        "import sys, pacerl.ray_runtime.envs; print(sorted({'torch', 'transformers'} & sys.modules.keys()))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert loaded.stdout.strip() == "[]"
+
+
 @pytest.mark.gpu
 def test_nccl_broadcast_between_gpus(warm_model: tuple[Path, Path], tmp_path: Path) -> None:
     """The NCCL path: trainer and one replica on two GPUs (NCCL refuses two members on one device)."""

@@ -307,7 +307,7 @@ class StepResult:
 
 class LearnerLike(Protocol):
     """What the training loop needs of a learner: a `Learner` in this process, or a handle on one that
-    runs elsewhere (a Ray actor, `pacerl.runtime_ray.RemoteLearner`)."""
+    runs elsewhere (a Ray actor, `pacerl.ray_runtime.learner.RemoteLearner`)."""
 
     version: int
     """Updates applied so far."""

@@ -1,61 +1,34 @@
-"""The Ray actors of `runtime = "ray"`: each hosts one part of the local runtime, unchanged.
-
-- `EngineActor`: one engine replica, an `EmbeddedEngine` on its own copy of the model (CPU or a GPU)
-  or the client of one SGLang server.
-- `EnvWorker` (in `pacerl.ray_runtime.envs`, which imports no torch): the environments of many episodes.
-- `TrainerActor`: the `Learner`, its model and optimizer.
-
-The classes are plain Python; `pacerl.ray_runtime.runtime` turns them into actors (`ray.remote(...)`) and
-supervises them. Nothing here decides where anything runs.
-"""
+"""The engines of `runtime = "ray"`: `EngineActor`, one engine replica (an `EmbeddedEngine` on its own
+copy of the model, on CPU or a GPU, or the client of one SGLang server), and `EngineRouter`, the engine
+the driver talks to, spreading the episodes over the replicas and publishing weights to them."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import random
-import socket
+import uuid
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 import torch.distributed as dist
-from torch import nn
+from ray.exceptions import RayActorError
 
 from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from agents.engine.protocol import Generation, SamplingParams
 from agents.engine.sglang import SGLangEngine, SGLangOptions
-from agents.trajectory import Trajectory
-from trainer.learner import Learner, LearnerConfig, StepResult
+from pacerl.ray_runtime.supervisor import FaultLog, Slot, Supervisor, quiet
+from pacerl.ray_runtime.weights import ModelRecipe, PublishedWeights, WeightSpec, join_broadcast_group
 
-WeightSpec = tuple[str, tuple[int, ...], torch.dtype]
-"""One tensor of a broadcast: its name, shape and dtype, in the order the trainer sends them."""
+MAX_STICKY_SESSIONS = 100_000
+"""Episodes whose replica the router remembers (the oldest are forgotten first)."""
 
 
 class ReplicaNotReady(RuntimeError):  # noqa: N818 (a state, like the SGLang client's SGLangUnavailable)
     """The replica has not been told which weights to serve yet (it was just created)."""
-
-
-@dataclass(frozen=True)
-class ModelRecipe:
-    """How an actor builds its own copy of the model: the class and config of the trained model (the
-    weights travel separately, through the object store)."""
-
-    model_class: type[nn.Module]
-    """The transformers class of the trained model."""
-    model_config: Any
-    """Its `PretrainedConfig`."""
-
-    def build(self, state: Mapping[str, torch.Tensor] | None, device: str = "cpu") -> nn.Module:
-        """The model with `state` loaded (None: as initialised, for weights that arrive later)."""
-        model = self.model_class(self.model_config)
-        if state is not None:
-            model.load_state_dict(dict(state))
-        return model.to(device).eval()
 
 
 @dataclass(frozen=True)
@@ -74,12 +47,6 @@ class EngineSpec:
     """torch threads of the replica's process."""
     device: str
     """Where an embedded engine runs: `cpu`, or `cuda` on a replica that was given a GPU."""
-
-
-def _seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class EngineActor:
@@ -154,7 +121,7 @@ class EngineActor:
 
     async def join_group(self, address: str, world_size: int, rank: int, backend: str) -> None:
         """Join the trainer's broadcast group (blocks until every member has joined)."""
-        await asyncio.to_thread(_join, address, world_size, rank, backend)
+        await asyncio.to_thread(join_broadcast_group, address, world_size, rank, backend)
 
     async def receive_weights(self, specs: Sequence[WeightSpec], version: int) -> int:
         """Receive one broadcast of the trainer's weights and serve them as `version`."""
@@ -175,77 +142,127 @@ class EngineActor:
         await self.engine.aclose()
 
 
-class TrainerActor:
-    """The learner: the trained model, its optimizer, the updates. Calls run one at a time."""
+class EngineRouter:
+    """The engine protocol over N replicas (see the package docstring). `version` is the last version
+    published to every replica."""
 
     def __init__(
         self,
-        recipe: ModelRecipe,
-        state: Mapping[str, torch.Tensor],
-        config: LearnerConfig,
-        pad_id: int,
-        threads: int,
-        seed: int,
+        supervisor: Supervisor,
+        faults: FaultLog,
+        trainer: Any,
+        initial: Any,
+        version: int = 0,
+        broadcast: list[WeightSpec] | None = None,
     ) -> None:
-        torch.set_num_threads(threads)
-        _seed(seed)
-        self.learner = Learner(recipe.build(state), config, pad_id=pad_id)
-        self._broadcast_device = "cpu"
+        self.supervisor, self.faults, self.trainer = supervisor, faults, trainer
+        self._version = version
+        self._latest: tuple[Any, int] | None = (initial, version)
+        """The reference and version of the last weights published through the object store (None
+        after a broadcast, which leaves no copy there: a replica that comes back then loads a snapshot
+        of the trainer's current weights, tagged with their own version)."""
+        self._broadcast = broadcast
+        self._sessions: OrderedDict[str, Slot] = OrderedDict()
+        self._requests: dict[str, Slot] = {}
+        supervisor.prepare = self._sync
 
-    def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> tuple[StepResult, int, dict[str, int]]:
-        result = self.learner.train_step(groups)
-        return result, self.learner.version, dict(self.learner.counts)
+    @property
+    def version(self) -> int:
+        return self._version
 
-    def prefix_drift(self, trajectories: Sequence[Trajectory]) -> list[float]:
-        return self.learner.prefix_drift(trajectories)
+    @property
+    def replicas(self) -> list[Any]:
+        """The current actor handle of each replica."""
+        return [slot.handle for slot in self.supervisor.slots]
 
-    def weights(self, version: int) -> dict[str, torch.Tensor]:
-        """The weights of `version` (an error if the learner has moved on: never publish a mislabel)."""
-        if version != self.learner.version:
-            raise ValueError(
-                f"weights of version {version} asked for; the learner holds {self.learner.version}"
+    def replica_states(self) -> list[str]:
+        """`ready`, `recovering` or `dead`, per replica."""
+        return ["dead" if s.dead else "ready" if s.ready else "recovering" for s in self.supervisor.slots]
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        return_routed_experts: bool = False,
+        session: str | None = None,
+        routed_experts_start_len: int = 0,
+    ) -> Generation:
+        """Generate on the session's replica (a new session: the least loaded one); a generation lost
+        with its replica is sent again, from the same tokens, to a live one. Routes are returned from
+        input position `routed_experts_start_len` on (`agents.engine.protocol.EngineWithRoutesStart`)."""
+        request_id = request_id or uuid.uuid4().hex
+        tokens = list(input_ids)
+        while True:
+            slot = await self.supervisor.pick(self._sessions.get(session) if session is not None else None)
+            if session is not None:
+                self._remember(session, slot)
+            slot.outstanding += 1
+            self._requests[request_id] = slot
+            try:
+                generation: Generation = await slot.handle.generate.remote(
+                    tokens, sampling, request_id, return_routed_experts, routed_experts_start_len
+                )
+                return generation
+            except (RayActorError, ReplicaNotReady) as error:
+                self.supervisor.lost(slot, error)
+                self.faults.resumed(session, actor=slot.name, tokens=len(tokens))
+            finally:
+                slot.outstanding -= 1
+                self._requests.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        slot = self._requests.get(request_id)
+        if slot is not None:
+            with quiet():
+                await slot.handle.abort.remote(request_id)
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Make `version` current on every live replica (one copy in the object store, or one broadcast);
+        replicas recovering meanwhile load it when they are back."""
+        if version <= self._version:
+            raise ValueError(f"the new version {version} must exceed the current {self._version}")
+        self._version = version
+        slots = self.supervisor.slots
+        if self._broadcast is not None and any(slot.generation or not slot.ready for slot in slots):
+            # A replacement is no member of the broadcast group, and a lost member would hang it.
+            self._broadcast = None
+            self.faults.event("weight_sync_fell_back_to_object_store")
+        if self._broadcast is not None:
+            self._latest = None
+            await asyncio.gather(
+                self.trainer.broadcast_weights.remote(version),
+                *(slot.handle.receive_weights.remote(self._broadcast, version) for slot in slots),
             )
-        return self.learner.weights()  # detached views: serialising them is the copy
+            return
+        ref = state_dict.ref() if isinstance(state_dict, PublishedWeights) else ray.put(dict(state_dict))
+        self._latest = (ref, version)
+        await asyncio.gather(*(self._sync_live(slot) for slot in slots if slot.ready))
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.learner.state_dict()
+    async def _sync_live(self, slot: Slot) -> None:
+        try:
+            await self._sync(slot)
+        except RayActorError as error:
+            self.supervisor.lost(slot, error)
 
-    def load_state_dict(self, state: dict[str, Any]) -> tuple[int, dict[str, int]]:
-        self.learner.load_state_dict(state)
-        return self.learner.version, dict(self.learner.counts)
+    async def _sync(self, slot: Slot) -> None:
+        """Bring `slot`'s replica to the latest published weights and let it serve."""
+        async with slot.lock:
+            if self._latest is None:
+                version, ref = await self.trainer.snapshot.remote()
+            else:
+                ref, version = self._latest
+            await slot.handle.sync.remote(ref, version)
 
-    def status(self) -> tuple[int, dict[str, int]]:
-        return self.learner.version, dict(self.learner.counts)
+    async def health(self) -> bool:
+        return any(slot.ready for slot in self.supervisor.slots)
 
-    def snapshot(self) -> tuple[int, Any]:
-        """The current version and an object-store reference to its weights, taken together."""
-        return self.learner.version, ray.put(self.learner.weights())
+    async def aclose(self) -> None:
+        await self.supervisor.aclose()
 
-    def ping(self) -> int:
-        return os.getpid()
-
-    def group_address(self) -> str:
-        """A `tcp://host:port` for the broadcast group, on this actor's node (rank 0 listens there)."""
-        host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # what other nodes reach
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        return f"tcp://{host}:{port}"
-
-    def join_group(self, address: str, world_size: int, backend: str) -> list[WeightSpec]:
-        """Join the broadcast group as rank 0; the tensors every broadcast sends, in order."""
-        _join(address, world_size, 0, backend)
-        self._broadcast_device = "cuda" if backend == "nccl" else "cpu"
-        return [(name, tuple(t.shape), t.dtype) for name, t in self.learner.weights().items()]
-
-    def broadcast_weights(self, version: int) -> None:
-        """Send the weights of `version` to every replica of the group."""
-        for tensor in self.weights(version).values():
-            dist.broadcast(tensor.to(self._broadcast_device).contiguous(), src=0)
-
-
-def _join(address: str, world_size: int, rank: int, backend: str) -> None:
-    # A dead member must end a broadcast in minutes, not the half hour torch waits by default.
-    dist.init_process_group(
-        backend, init_method=address, world_size=world_size, rank=rank, timeout=timedelta(minutes=5)
-    )
+    def _remember(self, session: str, slot: Slot) -> None:
+        self._sessions[session] = slot
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > MAX_STICKY_SESSIONS:
+            self._sessions.popitem(last=False)

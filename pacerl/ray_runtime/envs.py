@@ -1,14 +1,23 @@
-"""The environment worker of `runtime = "ray"`: a Ray actor hosting the envs of many episodes and their
-sandboxes. It imports `envs` and nothing heavier (no torch, no transformers): environment workers are
+"""The environments of `runtime = "ray"`: `EnvWorker`, a Ray actor hosting the envs of many episodes and
+their sandboxes, and `RemoteEnv`, the driver's proxy of one episode played on a worker.
+
+This module imports `envs` and nothing heavier (no torch, no transformers): environment workers are
 many, start often and belong on CPU machines, where each saves the half gigabyte those would take."""
 
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ray.exceptions import RayActorError
 
 from envs import EpisodeLost, Message, ToolEnv
+from pacerl.ray_runtime.supervisor import Slot, Supervisor
+
+if TYPE_CHECKING:  # agents.rollout imports torch
+    from agents.rollout import EpisodeEnv
 
 Step = tuple[tuple[Message, ...], float, bool, bool, dict[str, Any]]
 """What `env.astep` returns."""
@@ -16,8 +25,8 @@ Step = tuple[tuple[Message, ...], float, bool, bool, dict[str, Any]]
 
 class EnvWorker:
     """Hosts the environments of many episodes (and their sandboxes), each under the key of the proxy
-    that plays it (`pacerl.ray_runtime.runtime.RemoteEnv`). An episode is started by its first step, which
-    brings the reset options and, after the loss of the worker that held it, the actions to replay."""
+    that plays it (`RemoteEnv`). An episode is started by its first step, which brings the reset options
+    and, after the loss of the worker that held it, the actions to replay."""
 
     def __init__(self, make_env: Callable[[], ToolEnv]) -> None:
         self.make_env = make_env
@@ -58,3 +67,67 @@ class EnvWorker:
         env = self.envs.pop(key, None)
         if env is not None:
             env.close()
+
+
+class RemoteEnv:
+    """An episode played on an environment worker, with the env interface the driver uses.
+
+    `reset` runs on a local env of the same maker (a reset only poses the task, and the loop must not
+    wait on a worker for it); the worker's env is reset by the first step. The actions stepped so far
+    are kept, so that a worker lost mid-episode is replaced by another one replaying them."""
+
+    def __init__(self, workers: Supervisor, make_env: Callable[[], EpisodeEnv]) -> None:
+        self._workers, self._make_env = workers, make_env
+        self._key = uuid.uuid4().hex
+        self._options: dict[str, Any] | None = None
+        self._schemas: list[dict[str, Any]] = []
+        self._actions: list[str] = []
+        self._slot: Slot | None = None
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[tuple[Message, ...], dict[str, Any]]:
+        self.close()
+        local = self._make_env()
+        try:
+            observation, info = local.reset(seed=seed, options=options)
+            self._schemas = local.tool_schemas()
+        finally:
+            local.close()
+        self._options, self._actions = dict(options or {}), []
+        return observation, info
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return self._schemas
+
+    async def astep(self, action: str) -> Step:
+        if self._options is None:
+            raise RuntimeError("step before reset")
+        while True:
+            fresh = self._slot is None
+            if self._slot is None:
+                self._slot = await self._workers.pick()
+                self._slot.outstanding += 1
+            slot = self._slot
+            try:
+                step: Step = await slot.handle.step.remote(
+                    self._key, action, self._options if fresh else None, list(self._actions) if fresh else []
+                )
+            except RayActorError as error:
+                self._workers.lost(slot, error)
+                self._release_slot()
+                replayed = len(self._actions)
+                self._workers.faults.event("env_episode_resumed", actor=slot.name, replayed=replayed)
+                continue
+            self._actions.append(action)
+            return step
+
+    def close(self) -> None:
+        if self._slot is not None:
+            self._slot.handle.close.remote(self._key)  # nothing to wait for
+            self._release_slot()
+
+    def _release_slot(self) -> None:
+        if self._slot is not None:
+            self._slot.outstanding -= 1
+            self._slot = None
