@@ -1,23 +1,18 @@
 """Run configuration: one typed tree of the components' own small configs, loaded from TOML or JSON plus
 `key=value` overrides, validated at load with a one-line message that names the bad key, and saved
-resolved into the run directory.
+resolved into the run directory. Files, overrides and validation go through `pacerl.settings`, the one
+loader of the project's configs.
 
     config = load_config("my.toml", ["loop.steps=50", "learner.loss.name=grpo"])
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import tomllib
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import pydantic
 
 from agents.engine.embedded import EmbeddedEngineConfig
 from agents.engine.protocol import SamplingParams
@@ -26,13 +21,11 @@ from agents.evaluation import EvalConfig
 from agents.models import TinyMoEConfig
 from agents.rollout import RolloutConfig
 from envs.registry import env_class
+from pacerl.settings import ConfigError as ConfigError
+from pacerl.settings import apply_overrides, config_to_dict, read_settings, settings_into
 from trainer.learner import LearnerConfig
 from trainer.loop import LoopConfig
 from trainer.pool import FilterConfig
-
-
-class ConfigError(ValueError):
-    """A configuration problem, worded for the person who wrote the config."""
 
 
 @dataclass(frozen=True)
@@ -303,106 +296,19 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """The config in `path` (TOML or JSON; None: the defaults) with `key=value` overrides applied
     (dotted keys, values parsed as JSON when they parse, else kept as strings). ConfigError on any
     problem, naming the key."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        data = _read(Path(path))
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} is not key=value (e.g. loop.steps=50)")
-        _set(data, key.strip().split("."), _parse_value(raw))
-    return config_from_dict(data)
+    data = read_settings(Path(path)) if path is not None else {}
+    return config_from_dict(apply_overrides(data, overrides))
 
 
 def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
     """Validate a plain mapping into a RunConfig: what it leaves out keeps the default config's value
     (a section given in part keeps its other defaults); unknown keys and wrong types are errors."""
-    _check_keys(RunConfig, data, "")
-    merged = _merge(config_to_dict(RunConfig()), data)
     try:
-        return pydantic.TypeAdapter(RunConfig).validate_python(merged)
-    except pydantic.ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"config: {where}: {message}" if where else f"config: {message}") from None
+        return settings_into(RunConfig(), data)
+    except ConfigError as error:
+        raise ConfigError(f"config: {error}") from None
 
 
 def save_config(config: RunConfig, path: Path) -> None:
     """The resolved config as JSON (what `load_config` reads back to the same RunConfig)."""
     path.write_text(json.dumps(config_to_dict(config), indent=2) + "\n", encoding="utf-8")
-
-
-def config_to_dict(config: Any) -> Any:
-    """A dataclass tree as plain JSON types."""
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return {f.name: config_to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
-    if isinstance(config, tuple | list):
-        return [config_to_dict(v) for v in config]
-    if isinstance(config, Mapping):
-        return {str(k): config_to_dict(v) for k, v in config.items()}
-    return config
-
-
-def _merge(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in changes.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise ConfigError(f"cannot read the config {path}: {error.strerror}") from None
-    try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError(f"config {path} does not parse: {error}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config {path} must hold a table of settings")
-    return data
-
-
-def _parse_value(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def _set(data: dict[str, Any], keys: list[str], value: Any) -> None:
-    for key in keys[:-1]:
-        child = data.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override sets {'.'.join(keys)} inside {key!r}, which is not a section")
-        data = child
-    data[keys[-1]] = value
-
-
-def _check_keys(cls: type, data: Any, prefix: str) -> None:
-    """Unknown keys anywhere in the tree are errors (pydantic would drop them silently)."""
-    if not isinstance(data, Mapping):
-        return
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key, value in data.items():
-        if key not in known:
-            close = ", ".join(sorted(known))
-            raise ConfigError(f"config: unknown key {prefix}{key} (known here: {close})")
-        nested = _dataclass_in(hints[key])
-        if nested is not None:
-            _check_keys(nested, value, f"{prefix}{key}.")
-
-
-def _dataclass_in(hint: Any) -> type | None:
-    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-        return hint
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        found = [c for c in typing.get_args(hint) if dataclasses.is_dataclass(c) and isinstance(c, type)]
-        return found[0] if found else None
-    return None

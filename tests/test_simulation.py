@@ -15,12 +15,13 @@ import pytest
 from agents.trajectory import Origin, Segment, Status, Trajectory
 from pacerl.cli import main
 from pacerl.lab import simulate_cli as cli_simulate
-from pacerl.lab.config import SimConfig, config_from_dict, config_to_dict
+from pacerl.lab.config import SimConfig, config_from_dict
 from pacerl.lab.costs import Distribution, InferenceConfig, TrainerConfig, WorkloadConfig
 from pacerl.lab.engine import simulate, simulate_mode
 from pacerl.lab.presets import PRESETS
 from pacerl.lab.results import bounds
 from pacerl.lab.traces import workload_from_trace
+from pacerl.settings import config_to_dict
 from trainer.pool import FILTER_NAMES, FilterConfig, staleness_summary
 
 # Every response 100 tokens after a 10-token prompt, one turn: a wave of 8 rows on an engine takes

@@ -289,7 +289,7 @@ def _pairs(settings: Mapping[str, Any]) -> list[str]:
 def _comparable(config: RunConfig) -> dict[str, Any]:
     """The resolved config a finished point is checked against, less what does not change the run's
     meaning (where it ran, how many threads)."""
-    from pacerl.config import config_to_dict
+    from pacerl.settings import config_to_dict
 
     data: dict[str, Any] = config_to_dict(config)
     data.pop("run_dir"), data.pop("threads")

@@ -1,12 +1,11 @@
 """One simulation's config (`SimConfig`): the cluster, the loop's knobs (batch, publication interval,
-the pool's filter), the sections of the cost models (`pacerl.lab.costs`), and how it is read from
-settings. Two of its knobs in more words:
+the pool's filter) and the sections of the cost models (`pacerl.lab.costs`), read from settings by the
+project's one loader (`pacerl.settings`). Two of its knobs in more words:
 
 - **The synchronous baseline** on the same GPUs: `colocated` (every GPU generates, then every GPU trains,
   switching costs `colocated_switch_s` per round; what AReaL and verl compare against) or `split` (the
   same engines and trainer as async, used in turn). A round generates S·B groups with the current
   weights, trains S updates on them, publishes.
-
 - **Record tokens** (`token_block`): records hold synthetic token ids, and with `token_block` > 1 one
   record token stands for that many real tokens (segment lengths rounded, at least one), which keeps
   30k-token trajectories cheap; the timing and token accounting use exact counts, the staleness
@@ -15,13 +14,13 @@ settings. Two of its knobs in more words:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 from pacerl.lab.costs import InferenceConfig, TrainerConfig, WorkloadConfig, check_float, check_int
+from pacerl.settings import settings_into
 from trainer.pool import FilterConfig
 
 Interrupt: TypeAlias = Literal["reprefill", "continue"]
@@ -143,40 +142,9 @@ class SimConfig:
         return 16 * self.batch_groups if self.pool_cap_groups is None else self.pool_cap_groups
 
 
-def config_to_dict(config: Any) -> Any:
-    """A config tree as plain JSON types (inf becomes the string "inf")."""
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return {f.name: config_to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
-    if isinstance(config, tuple | list):
-        return [config_to_dict(v) for v in config]
-    if isinstance(config, float) and math.isinf(config):
-        return "inf"
-    return config
-
-
-def config_from_dict(base: Any, data: Mapping[str, Any], prefix: str = "") -> Any:
-    """`base` (a config dataclass) with the settings of `data` applied: nested sections by their field
-    name, a section given in part keeps the rest of `base`; lists become tuples and the string "inf" a
-    float. Unknown keys and invalid values raise ValueError naming the key."""
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a table of settings")
-    known = {f.name: f for f in dataclasses.fields(base)}
-    changes: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in known:
-            raise ValueError(f"unknown setting {prefix}{key} (known here: {', '.join(sorted(known))})")
-        current = getattr(base, key)
-        if dataclasses.is_dataclass(current) and not isinstance(current, type):
-            changes[key] = config_from_dict(current, value, f"{prefix}{key}.")
-        elif isinstance(value, list):
-            changes[key] = tuple(value)
-        elif value == "inf":
-            changes[key] = math.inf
-        else:
-            changes[key] = value
-    try:
-        return dataclasses.replace(base, **changes)
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"{prefix}{error}" if prefix and not str(error).startswith(prefix) else str(error)
-        ) from None
+def config_from_dict(base: SimConfig, data: Mapping[str, Any]) -> SimConfig:
+    """`base` with the settings of `data` applied (`pacerl.settings.settings_into`, the project's one
+    loader): nested sections by their field name, a section given in part keeps the rest of `base`;
+    lists become tuples and the string "inf" a float. Unknown keys and invalid values raise a ValueError
+    (`ConfigError`) naming the key."""
+    return settings_into(base, data, unknown="setting")

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
-from pacerl.lab.config import SimConfig, config_to_dict
+from pacerl.lab.config import SimConfig
+from pacerl.settings import config_to_dict
 
 Mode: TypeAlias = Literal["async", "sync"]
 

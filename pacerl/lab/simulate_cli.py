@@ -17,10 +17,11 @@ import dataclasses
 import json
 import os
 import re
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pacerl.settings import ConfigError, read_settings
 
 if TYPE_CHECKING:
     from pacerl.lab.config import SimConfig
@@ -133,16 +134,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _read_config(path: str) -> dict[str, Any]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as error:
-        raise ValueError(f"--config {path}: {error.strerror}") from None
-    try:
-        data = tomllib.loads(text) if path.endswith(".toml") else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"--config {path} does not parse: {error}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path} must hold a table of settings")
-    return data
+        return read_settings(Path(path))
+    except ConfigError as error:
+        raise ValueError(f"--config: {error}") from None
 
 
 def build_config(args: argparse.Namespace) -> tuple[SimConfig, Preset | None]:
