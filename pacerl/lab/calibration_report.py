@@ -29,6 +29,7 @@ from pacerl.lab.calibration import (
     stability_boundaries,
     stability_constant,
 )
+from pacerl.plots import save_png
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -251,7 +252,7 @@ def plot_stability(result: CalibrationResult, path: Path) -> None:
     _stability_map(left, result)
     _collapse_times(right, result)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save_png(figure, path, dpi=110)
 
 
 def _stability_map(ax: Axes, result: CalibrationResult) -> None:

@@ -5,10 +5,11 @@ matplotlib and rich are imported when a report is made, not with this module."""
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from pacerl.plots import save_png
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -131,9 +132,9 @@ def print_report(result: SimResult, preset: Preset | None, preset_name: str | No
 def write_plots(result: SimResult, out: Path) -> list[Path]:
     """`throughput.png`, `staleness.png` and `utilization.png` in `out`."""
     return [
-        _save(_throughput_figure(result), out / "throughput.png"),
-        _save(_staleness_figure(result), out / "staleness.png"),
-        _save(_utilization_figure(result), out / "utilization.png"),
+        save_png(_throughput_figure(result), out / "throughput.png", dpi=_DPI),
+        save_png(_staleness_figure(result), out / "staleness.png", dpi=_DPI),
+        save_png(_utilization_figure(result), out / "utilization.png", dpi=_DPI),
     ]
 
 
@@ -238,14 +239,3 @@ def _utilization_figure(result: SimResult) -> Figure:
     pool_ax.set_ylim(bottom=0)
     pool_ax.legend(loc="best", fontsize="small")
     return figure
-
-
-def _save(figure: Figure, path: Path) -> Path:
-    """Write the PNG beside its final name and rename it, so a viewer never reads half a file."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(figure)
-    partial = path.with_name(f".{path.name}.partial")
-    figure.savefig(partial, format="png", dpi=_DPI)
-    os.replace(partial, path)
-    return path
