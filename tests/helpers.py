@@ -1,8 +1,10 @@
-"""Helpers shared by test modules: free loopback ports, uvicorn servers on a thread, and the short
-training runs on Math-v0 sums (tests/test_train.py, tests/test_ray.py)."""
+"""Helpers shared by test modules: free loopback ports, uvicorn servers on a thread, records of the
+HTTP requests a client sends and of the runs that reach a sandbox's backend, and the short training
+runs on Math-v0 sums (tests/test_train.py, tests/test_ray.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -11,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import fastapi
+import httpx
+import pytest
 import torch
 import uvicorn
 
 from agents.models import TinyMoEConfig, build_tiny_moe, save_model
 from agents.tokenizer import tiny_tokenizer
 from envs import load_tasks
+from sandbox import ExecRequest, ExecResult, Sandbox
 from trainer.metrics import read_metrics
 from trainer.sft import SFTConfig, demonstrations, sft
 
@@ -41,7 +46,7 @@ class ThreadServer:
 
     def __enter__(self) -> ThreadServer:
         self._thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a hang guard: uvicorn starts in well under a second
         while not self.server.started:
             if time.monotonic() > deadline or not self._thread.is_alive():
                 raise RuntimeError(f"uvicorn did not start on {self.url}")
@@ -51,6 +56,50 @@ class ThreadServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self._thread.join(timeout=10)
+
+
+def record_http_requests(monkeypatch: pytest.MonkeyPatch) -> list[httpx.Request]:
+    """Every request an httpx async client sends from now on (until the test ends), recorded as it
+    leaves: what a test asserts instead of how long a call took (one attempt, no retry, none at all)."""
+    sent: list[httpx.Request] = []
+    send = httpx.AsyncHTTPTransport.handle_async_request
+
+    async def recording(transport: httpx.AsyncHTTPTransport, request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return await send(transport, request)
+
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", recording)
+    return sent
+
+
+class BackendRuns:
+    """What reaches `sandbox`'s backend from now on (until the test ends): each run's request as it
+    arrives, how many are in flight and the most at once, how many finished. While `proceed` is clear,
+    arriving runs wait before they start, so a test can hold work in flight for as long as it needs to
+    look at the state around it, whatever the machine's speed."""
+
+    def __init__(self, sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.requests: list[ExecRequest] = []
+        self.in_flight = self.peak = self.finished = 0
+        self.proceed = threading.Event()
+        self.proceed.set()
+        backend = sandbox._backend
+        run = backend.run
+
+        async def recorded(request: ExecRequest) -> ExecResult:
+            self.requests.append(request)
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+            try:
+                if not self.proceed.is_set():
+                    held = await asyncio.to_thread(self.proceed.wait, 60)
+                    assert held, "the test never let the held runs proceed"
+                return await run(request)
+            finally:
+                self.in_flight -= 1
+                self.finished += 1
+
+        monkeypatch.setattr(backend, "run", recorded)
 
 
 SUMS = [(3, 3), (2, 5), (7, 1), (4, 4), (6, 2), (1, 8), (5, 3), (9, 0)]

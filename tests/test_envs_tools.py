@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -155,10 +154,10 @@ async def test_python_tool_limit_hits_are_tool_errors() -> None:
     quick = SandboxPolicy(limits=Limits(timeout_s=1))
     try:
         slow = make_tool(python.function, name="python_quick", sandbox=quick)
-        started = time.monotonic()
-        with pytest.raises(ToolError, match=r"\[timeout: wall-clock limit of 1 s exceeded\]"):
-            await slow({"code": "import time\ntime.sleep(20)"}, context)
-        assert time.monotonic() - started < 6
+        # The tool's own 1 s policy ended the cell (the reason says so), not the cell's 20 s sleep.
+        with pytest.raises(ToolError, match=r"\[timeout: wall-clock limit of 1 s exceeded\]") as raised:
+            await slow({"code": "import time\ntime.sleep(20)\nprint('woke')"}, context)
+        assert "woke" not in str(raised.value)
     finally:
         await context.aclose()
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import itertools
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -228,14 +227,10 @@ def test_training_is_deterministic_and_checks_its_cap() -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_builds_fast_with_the_expected_size(family: Family, tokenizer: PreTrainedTokenizerBase) -> None:
-    start = time.perf_counter()
+def test_builds_with_the_expected_size(family: Family, tokenizer: PreTrainedTokenizerBase) -> None:
     model = build_tiny_moe(TinyMoEConfig(family=family), tokenizer)
-    elapsed = time.perf_counter() - start
     count = parameter_count(model)
-    print(f"{family}: {count:,} parameters, built in {elapsed * 1000:.0f} ms")
     assert 1_800_000 <= count <= 2_000_000
-    assert elapsed < 1.0
     assert not model.training
     assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}
     assert model.config.model_type == family

@@ -23,7 +23,7 @@ import fastapi
 import httpx
 import pytest
 from fastapi.responses import JSONResponse
-from helpers import ThreadServer, free_port
+from helpers import ThreadServer, free_port, record_http_requests
 from hostile_http import (
     assert_idle_after_answer_then_partial_is_closed,
     assert_slow_body_is_408,
@@ -291,12 +291,14 @@ async def test_search_tool_refuses_bad_calls(
         await get_tool("search")(arguments, ToolContext(settings))
 
 
-async def test_search_tool_against_a_dead_port_fails_fast() -> None:
+async def test_search_tool_against_a_dead_port_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused connection is the model's observation at once: one attempt, no retry, and the
+    error is the refusal (ConnectError), not a timeout (ConnectTimeout, ReadTimeout) waited for."""
     dead = f"http://127.0.0.1:{free_port()}"
-    started = time.monotonic()
+    sent = record_http_requests(monkeypatch)
     with pytest.raises(ToolError, match=r"unreachable \(ConnectError\)"):
         await get_tool("search")({"query": "x"}, ToolContext({"retriever_url": dead}))
-    assert time.monotonic() - started < 2
+    assert [str(request.url) for request in sent] == [f"{dead}/retrieve"]
 
 
 def _other_servers() -> fastapi.FastAPI:

@@ -12,16 +12,19 @@ import time
 
 import psutil
 import pytest
+from helpers import BackendRuns
 
 from sandbox import ExecRequest, ExecResult, ExecStatus, Limits, Sandbox, SandboxUsageError
 from sandbox.result import OutputCapture, classify_exit
 
 
 def test_ok_run_reports_everything(local_sandbox: Sandbox) -> None:
+    started = time.monotonic()
     result = local_sandbox.run("import sys\nprint('out')\nprint('err', file=sys.stderr)")
+    took = time.monotonic() - started
     assert result.status is ExecStatus.OK and result.ok
     assert (result.exit_code, result.stdout, result.stderr) == (0, "out\n", "err\n")
-    assert 0 < result.duration_s < 5
+    assert 0 < result.duration_s <= took  # the run's own time, in seconds, within the call's
     assert ExecResult.from_json(result.to_json()) == result
 
 
@@ -101,12 +104,12 @@ def test_work_dir_is_size_capped(local_sandbox: Sandbox) -> None:
     ],
 )
 def test_misuse_raises_clearly_before_any_work(
-    local_sandbox: Sandbox, kwargs: dict[str, object], message: str
+    local_sandbox: Sandbox, kwargs: dict[str, object], message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    started = time.monotonic()
+    reached = BackendRuns(local_sandbox, monkeypatch)
     with pytest.raises(SandboxUsageError, match=message):
         local_sandbox.run(**kwargs)  # type: ignore[arg-type]
-    assert time.monotonic() - started < 1
+    assert reached.requests == []  # refused before the backend was asked for anything
 
 
 @pytest.mark.parametrize(
@@ -173,13 +176,13 @@ def test_sandbox_dies_with_its_host_process() -> None:
     host = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert host.stdout is not None and host.stdout.readline() == "ready\n"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # hang guards: each wait ends at its event
         while not _with_marker(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _with_marker(marker), "the sandboxed sleep never started"
         host.send_signal(signal.SIGKILL)
         host.wait()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while _with_marker(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _with_marker(marker), "sandboxed processes outlived the host process"
