@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import gymnasium
 
@@ -62,3 +63,10 @@ def tool_env_ids() -> list[str]:
         if isinstance(entry, type) and issubclass(entry, ToolEnv):
             ids.append(env_id)
     return sorted(ids)
+
+
+def registered_kwargs(env_id: str) -> dict[str, Any]:
+    """The keyword arguments `env_id` was registered with (`gymnasium.register(..., kwargs=...)`), which
+    `gymnasium.make` passes to the constructor; a run's env maker passes them too."""
+    env_class(env_id)  # imports the module of a module:Name-v0 id, and checks the id
+    return dict(gymnasium.registry[env_id.rpartition(":")[2]].kwargs)

@@ -24,7 +24,7 @@ from agents.models import build_tiny_moe, load_model, moe_info
 from agents.rollout import EpisodeEnv, RolloutDriver
 from agents.tokenizer import tiny_tokenizer
 from envs import Task, ToolEnv, load_tasks
-from envs.registry import env_class
+from envs.registry import env_class, registered_kwargs
 from pacerl.config import ConfigError, RunConfig
 from pacerl.display import ProgressDisplay
 from trainer.evaluator import BackgroundEvaluator
@@ -38,20 +38,24 @@ log = logging.getLogger(__name__)
 
 def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
     """A maker of fresh, unwrapped envs of `config.env` (the driver needs `astep` and the tool schemas,
-    which Gymnasium's wrappers hide)."""
+    which Gymnasium's wrappers hide), built as `gymnasium.make` would (with the id's registered
+    kwargs) but with the run's episode limits, prompt, tasks and tool settings."""
     spec = config.env
     try:
         cls = env_class(spec.id)
+        kwargs = registered_kwargs(spec.id)
     except ValueError as error:
         raise ConfigError(f"config: env.id: {error}") from None
-    tasks = load_tasks(spec.tasks) if spec.tasks is not None else None
+    if spec.tasks is not None:
+        kwargs["tasks"] = load_tasks(spec.tasks)
     takes_tasks = inspect.signature(cls).parameters.get("tasks")
-    if tasks is None and takes_tasks is not None and takes_tasks.default is inspect.Parameter.empty:
+    no_default = takes_tasks is not None and takes_tasks.default is inspect.Parameter.empty
+    if no_default and "tasks" not in kwargs:
         raise ConfigError(
             f"config: env.tasks: {spec.id} has no default tasks: name a task file or shipped set"
         )
     options = replace(
-        cls.default_config(),
+        kwargs.pop("config", None) or cls.default_config(),
         max_turns=spec.max_turns,
         max_tool_calls=spec.max_tool_calls,
         system_prompt=spec.system_prompt,
@@ -62,7 +66,7 @@ def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
     env_id = spec.id  # the maker holds nothing of pacerl.config: Ray env workers unpickle it without torch
 
     def make() -> ToolEnv:
-        env = cls(tasks=tasks, config=options) if tasks is not None else cast(Any, cls)(config=options)
+        env = cast(Any, cls)(**kwargs, config=options)
         if not isinstance(env, ToolEnv):
             raise TypeError(f"{env_id} made a {type(env).__name__}, not a ToolEnv")
         return env

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -176,14 +180,40 @@ def test_format_result() -> None:
     assert format_result(killed) == "partial\nMemoryError\n[memory: memory limit exceeded]"
 
 
-def test_the_tutorial_runs_as_written() -> None:
+def test_the_tutorial_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/tools.md end to end: its `# my_tools.py` blocks become a module outside the package, its
+    other Python blocks run against it, then its shell blocks train and evaluate that module's env with
+    the `pacerl` command, and the run's outputs are where the page says."""
     page = (DOCS / "tools.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
-    assert len(blocks) == 4
-    namespace: dict[str, object] = {"__name__": "tutorial"}
+    python = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
+    module = [block for block in python if block.startswith("# my_tools.py")]
+    assert len(python) == 4 and len(module) == 2
+    (tmp_path / "my_tools.py").write_text("\n\n".join(module))
+    monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        for block in blocks:
-            exec(compile(block, "docs/tools.md", "exec"), namespace)
+        import my_tools  # type: ignore[import-not-found]
+
+        namespace: dict[str, object] = dict(vars(my_tools))
+        for block in python:
+            if block not in module:
+                exec(compile(block, "docs/tools.md", "exec"), namespace)
         assert "shell" in TOOLS
     finally:
         TOOLS.pop("shell", None)
+        sys.modules.pop("my_tools", None)
+    (shell,) = re.findall(r"```bash\n(.*?)```", page, flags=re.DOTALL)
+    environment = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    ran = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", shell],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "quiz"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 3 and [e["step"] for e in summary["evaluations"]] == [0, 3]
+    assert json.loads((run_dir / "eval.json").read_text())["episodes"] == 2
+    plots = sorted(line for line in ran.stdout.splitlines() if line.endswith(".png"))
+    assert plots and plots == sorted(path.name for path in (run_dir / "plots").iterdir())
