@@ -1,4 +1,4 @@
-"""Model factories: the tiny MoE built from a config (LEARNABILITY.md's 1.9M-parameter recipe), any local
+"""Model factories: the tiny MoE built from a config (docs/learnability.md's 1.9M-parameter recipe), any local
 Hugging Face checkpoint, and where each MoE layer's router sits (what R3 routing replay hooks).
 
     tokenizer = tiny_tokenizer()
@@ -44,7 +44,7 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
 
 @dataclass(frozen=True)
 class TinyMoEConfig:
-    """Shape of the tiny MoE. The defaults are LEARNABILITY.md's measured model (≈1.9M parameters)."""
+    """Shape of the tiny MoE. The defaults are docs/learnability.md's measured model (≈1.9M parameters)."""
 
     family: Family = "qwen3_moe"
     """Architecture: `qwen3_moe` (Qwen3-30B-A3B's) or `mixtral`."""
@@ -67,7 +67,7 @@ class TinyMoEConfig:
     max_position: int = 1024
     """Longest sequence (prompt, tool turns and generation together)."""
     experts_implementation: ExpertsImplementation = "grouped_mm"
-    """How transformers runs the experts; `grouped_mm` is the fast one on CPU (LEARNABILITY.md)."""
+    """How transformers runs the experts; `grouped_mm` is the fast one on CPU (docs/learnability.md)."""
     seed: int = 0
     """Seed of the weight initialisation: the same seed gives the same weights."""
 

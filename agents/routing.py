@@ -1,5 +1,5 @@
 """`RoutedExperts`: the top-k experts an MoE rollout engine chose per token and layer, kept for R3
-(Rollout Routing Replay, ALGORITHMS.md §4) so the trainer's forward replays the engine's selection.
+(Rollout Routing Replay, docs/algorithms.md §4) so the trainer's forward replays the engine's selection.
 
 Row alignment, the one convention every producer and consumer shares: in a trajectory, the row of the
 token at position t holds the routing of the forward pass that *produced* t, whose input was position

@@ -1,4 +1,4 @@
-"""A byte-level BPE tokenizer trained offline in about a second, for the tiny MoE (LEARNABILITY.md).
+"""A byte-level BPE tokenizer trained offline in about a second, for the tiny MoE (docs/learnability.md).
 
 Pre-tokenization is `Split("\\n", isolated)` + `Digits(individual_digits=True)` +
 `ByteLevel(use_regex=False)`:

@@ -1,7 +1,7 @@
-"""The trajectory record, the one currency between rollout and training (DESIGN.md, "The trajectory
+"""The trajectory record, the one currency between rollout and training (docs/design.md, "The trajectory
 record"): a prompt plus ordered segments, each a run of tokens of one origin. Every model segment carries
 the policy version that generated it, so per-token versions, the loss mask and the staleness terms of
-PACE and SAT (ALGORITHMS.md §2, §6) are derived from the record alone.
+PACE and SAT (docs/algorithms.md §2, §6) are derived from the record alone.
 
 An interrupted generation that resumes under new weights is a new model segment with the new version.
 
@@ -436,7 +436,7 @@ class Trajectory:
         self.segments = tuple(segments)
         return attached
 
-    # -- staleness (ALGORITHMS.md §6) --------------------------------------------------------------------
+    # -- staleness (docs/algorithms.md §6) ------------------------------------------------------------
 
     def _model_versions(self) -> npt.NDArray[np.int64]:
         versions = self.token_versions

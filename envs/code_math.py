@@ -51,7 +51,7 @@ class CodeMathEnv(ToolEnv):
 
     tool_names = ("python",)
     validation_tasks = "codemath-val"
-    # The teacher opens LEARNABILITY.md's behaviour gap; its 300 steps put the gap in place. Clean
+    # The teacher opens docs/learnability.md's behaviour gap; its 300 steps put the gap in place. Clean
     # demonstrations stop at 75 (the skill gap: greedy accuracy 30-50%).
     warm_start_steps = {"teacher": 300, "clean": 75}  # noqa: RUF012 (a ClassVar of the base)
 
@@ -73,7 +73,7 @@ class CodeMathEnv(ToolEnv):
         """`clean`: a python call `print(EXPR)`, its output, then `\\boxed{N}`. `teacher`: the same, but on
         easy problems (an operand of at most two digits) the answer comes directly, correctly, with
         probability `TEACHER_DIRECT_P`: a student copies the habit but cannot do the arithmetic, so RL
-        has a tool-use behaviour to learn (LEARNABILITY.md's behaviour gap)."""
+        has a tool-use behaviour to learn (docs/learnability.md's behaviour gap)."""
         if style not in self.warm_start_steps:
             styles = ", ".join(self.warm_start_steps)
             raise ValueError(f"{type(self).__name__} writes {styles} demonstrations, not {style!r}")
@@ -104,5 +104,5 @@ def code_math_turns(task: Task, *, direct: bool = False) -> list[Message]:
 
 
 def is_easy(task: Task) -> bool:
-    """LEARNABILITY.md's "easy" arithmetic problem: one of its operands has at most two digits."""
+    """docs/learnability.md's "easy" arithmetic problem: one of its operands has at most two digits."""
     return any(len(operand) <= 2 for operand in re.findall(r"\d+", task.question))

@@ -66,14 +66,14 @@ class EnvSpec:
 @dataclass(frozen=True)
 class WarmStartSpec:
     """Supervised warm start on generated demonstrations of the env (`trainer.sft`), so that RL starts
-    from a policy that knows the tool format and sometimes succeeds (LEARNABILITY.md)."""
+    from a policy that knows the tool format and sometimes succeeds (docs/learnability.md)."""
 
     when: Literal["fresh", "always", "never"] = "fresh"
     """fresh: only for a model built from `model.tiny` (a loaded checkpoint is taken as warm already);
     always; never."""
     steps: int | None = None
     """Optimizer steps; None: the env's default for the style (`ToolEnv.warm_start_steps`: CodeMath's
-    teacher 300, its behaviour gap in place by then; clean 75, LEARNABILITY.md's skill gap; Search's
+    teacher 300, its behaviour gap in place by then; clean 75, docs/learnability.md's skill gap; Search's
     clean 300, copying out of passages is learnt late)."""
     style: str = "auto"
     """Demonstration style, one the env writes (`ToolEnv.warm_start_steps`; the shipped envs: clean tool
@@ -192,7 +192,7 @@ class RaySpec:
 
 
 def _default_rollout() -> RolloutConfig:
-    # LEARNABILITY.md: T = 0.7, short turns; tool schemas are learned by SFT, not read from the prompt.
+    # docs/learnability.md: T = 0.7, short turns; tool schemas are learned by SFT, not read from the prompt.
     sampling = SamplingParams(max_new_tokens=40, temperature=0.7, stop_strings=("</tool_call>",))
     return RolloutConfig(group_size=8, sampling=sampling, max_total_tokens=256, tool_schemas_in_prompt=False)
 

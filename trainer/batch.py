@@ -12,7 +12,7 @@ Layout (one row per trajectory, right-padded so position ids match generation):
 
 The shift follows the trajectory record's convention (`Trajectory.routed_experts`): the route of token t
 was computed with input t − 1, which is exactly where the training forward replays it. R3 replays the
-whole sequence (ALGORITHMS.md §8b, as slime and Megatron do): a record holds the rows of its prompt and
+whole sequence (docs/algorithms.md §8b, as slime and Megatron do): a record holds the rows of its prompt and
 tool tokens too, so every input a model token depends on replays the engine's experts. Inputs without
 a row keep the live router: padding, a row's last input (its prediction is not scored), a trailing
 tool response no engine call followed, and everything but the model tokens of a format-1 record.

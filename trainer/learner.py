@@ -6,8 +6,8 @@ mini-batches of whole groups, one optimizer update each, for `epochs` passes (AR
 `ppo_n_minibatches`, verl's `ppo_mini_batch_size` and `ppo_epochs`). The proximal policy of decoupled PPO
 and the `recompute` ratio anchor are the weights before the first update: their log-probs are computed
 once, in a no-grad pass over the whole batch, so the clip and SAT act on the second and later updates.
-With a single update (the default: LEARNABILITY.md's recipe) that pass would return the detached log-probs
-of the update's own forward, so it is not spent. With `ratio_anchor="behaviour"` the ratio is taken
+With a single update (the default: docs/learnability.md's recipe) that pass would return the detached
+log-probs of the update's own forward, so it is not spent. With `ratio_anchor="behaviour"` the ratio is taken
 against the rollout engine's log-probs, as the SAT paper does: the clip then bounds how far a stale sample
 may pull from the first update on.
 
@@ -246,7 +246,7 @@ class LearnerConfig:
     """Advantage estimator: grpo (group mean/std), dr_grpo (group mean), reinforce_pp (group mean,
     batch std)."""
     lr: float = 1e-4
-    """Adam learning rate (LEARNABILITY.md: 1e-4 is stable on the tiny MoE, 5e-4 spikes)."""
+    """Adam learning rate (docs/learnability.md: 1e-4 is stable on the tiny MoE, 5e-4 spikes)."""
     betas: tuple[float, float] = (0.9, 0.99)
     """Adam betas."""
     weight_decay: float = 0.0
@@ -269,7 +269,7 @@ class LearnerConfig:
     """Seeds the mini-batch shuffle (with the version, so a resumed run shuffles as the original)."""
     advantage_std: Literal["population", "unbiased"] = "population"
     """grpo's group std: population (default: each group's advantages have unit variance, so a group of
-    two is ±1; the setting LEARNABILITY.md's learning rate was tuned with) or unbiased (verl, TRL:
+    two is ±1; the setting docs/learnability.md's learning rate was tuned with) or unbiased (verl, TRL:
     larger by sqrt(G/(G-1)), 1.155× at G=4; choose it to compare with their runs)."""
     drop_zero_advantage: bool = True
     """Leave out groups whose rewards are all equal (they carry no signal)."""

@@ -1,4 +1,4 @@
-"""R3, Rollout Routing Replay (Ma et al., arXiv 2510.11370; ALGORITHMS.md §4): in the training forward,
+"""R3, Rollout Routing Replay (Ma et al., arXiv 2510.11370; docs/algorithms.md §4): in the training forward,
 each MoE router's top-k *selection* is replaced by the experts the rollout engine recorded, and the
 gate weights are recomputed from the training router's live logits over those experts, so gradients
 still reach the router:

@@ -1,4 +1,4 @@
-"""Supervised warm start on generated tool-use demonstrations (LEARNABILITY.md's SFT recipe).
+"""Supervised warm start on generated tool-use demonstrations (docs/learnability.md's SFT recipe).
 
     demos = demonstrations("pacerl/CodeMath-v0", load_tasks("codemath-train"))
     losses = sft(model, demos, SFTConfig(steps=70))
@@ -8,7 +8,7 @@ same episode: the prompt is the rendered first turn with its generation prompt; 
 what the model would generate (the content and the eos token, as one piece); each tool turn is the text
 the template renders between that assistant message and the next generation prompt, tokenized once.
 So the tokens a model is trained on are the tokens it later generates and is trained on by RL
-(LEARNABILITY.md, pitfall 1: a whole-conversation tokenization can merge across the boundaries).
+(docs/learnability.md, pitfall 1: a whole-conversation tokenization can merge across the boundaries).
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 @dataclass(frozen=True)
 class SFTConfig:
-    """Supervised fine-tuning on demonstrations. The defaults are LEARNABILITY.md's recipe: about 70 steps
-    leave the tiny MoE at 30–50% greedy accuracy on CodeMath, the RL warm start it recommends."""
+    """Supervised fine-tuning on demonstrations. The defaults are docs/learnability.md's recipe: about 70
+    steps leave the tiny MoE at 30–50% greedy accuracy on CodeMath, the RL warm start it recommends."""
 
     lr: float = 2e-3
     """Peak AdamW learning rate (betas 0.9/0.99)."""

@@ -1,5 +1,5 @@
 """PACE in miniature: synchronous vs unfiltered async vs async + PACE, with the `max_age` and `admission`
-baselines, at the same wall-clock budget (ALGORITHMS.md §6, §2; the PACE paper's Table 1 in kind).
+baselines, at the same wall-clock budget (docs/algorithms.md §6, §2; the PACE paper's Table 1 in kind).
 
     .venv/bin/python benchmarks/experiments/pace.py [--env pacerl/CodeMath-v0] [--budget-s 600] [--seeds 0,1]
 

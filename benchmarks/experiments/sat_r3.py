@@ -1,12 +1,12 @@
 """SAT and R3 in miniature: GSPO vs SAT-GSPO, each with and without R3 routing replay, at publication lag
 1 and 8 (the weights reach the engine every S = 1 or 8 updates), async, the same number of steps
-(ALGORITHMS.md §5, §4; the SAT paper's Table 1 in kind).
+(docs/algorithms.md §5, §4; the SAT paper's Table 1 in kind).
 
     .venv/bin/python benchmarks/experiments/sat_r3.py [--env pacerl/CodeMath-v0] [--steps 60] [--seeds 0]
 
 The table reports validation accuracy at the start and the end, the mismatch (mean |log π_θ − log μ|),
 the routing disagreement R3 removes, the clip fraction, the SAT gate rate and whether and when the run
-collapsed (ALGORITHMS.md §8's detector: the smoothed reward below half its running maximum without
+collapsed (docs/algorithms.md §8's detector: the smoothed reward below half its running maximum without
 recovering). Results go to benchmarks/experiments/results/sat_r3-<env>.{md,json,png}.
 """
 

@@ -1,5 +1,5 @@
 """`pacerl calibrate`: choose the publication interval S and the learning rate η of async GRPO together,
-from a coarse sweep (ALGORITHMS.md §8; `pacerl.lab.calibration` holds the detector and the fits,
+from a coarse sweep (docs/algorithms.md §8; `pacerl.lab.calibration` holds the detector and the fits,
 `pacerl.lab.calibration_report` the analysis of a sweep and the files it writes).
 
     pacerl calibrate --config run.toml --sync-intervals 1,2,4,8 --lrs 1e-4,3e-4,1e-3,3e-3 --steps 30 \

@@ -1,5 +1,5 @@
 """Calibrating the publication interval S and the learning rate η of vanilla async GRPO from a coarse
-sweep (ALGORITHMS.md §8, after the staleness–learning-rate paper, arXiv 2607.01083).
+sweep (docs/algorithms.md §8, after the staleness–learning-rate paper, arXiv 2607.01083).
 
 The paper's two laws: the largest stable learning rate scales as 1/S (S·η_max ≈ C), and among runs that
 collapse the collapse time scales as 1/η (T_c·η ≈ B, a cumulative learning-rate budget). Its rule picks
@@ -39,7 +39,7 @@ def smoothed(rewards: Sequence[float], window: int = 10) -> list[float]:
 def collapse_step(
     rewards: Sequence[float], window: int = 10, fall: float = 0.5, recover: float = 0.8
 ) -> int | None:
-    """ALGORITHMS.md §8's reconstruction of the collapse detector: the first step (1-based) where the
+    """docs/algorithms.md §8's reconstruction of the collapse detector: the first step (1-based) where the
     smoothed reward (`smoothed`, span `window`) falls below `fall` × its running maximum and never climbs
     back to `recover` × that maximum for the rest of the run; None if it never does (the run is
     censored at its length). A reward that never rose above zero cannot collapse."""
@@ -57,7 +57,7 @@ def collapse_step(
 
 @dataclass(frozen=True)
 class CrossCheck:
-    """What a run's entropy and gradient norms say, beside the reward detector: ALGORITHMS.md §8 asks for
+    """What a run's entropy and gradient norms say, beside the reward detector: docs/algorithms.md §8 asks for
     a cross-check "with grad-norm spikes or entropy collapse". A collapse the reward shows but neither
     signal does deserves a look at the run before it shapes a recommendation."""
 
@@ -313,7 +313,7 @@ def recommend_lr(
     safety: float = 0.5,
     boundary: StabilityBoundary | None = None,
 ) -> Recommendation:
-    """ALGORITHMS.md §8 step 4: η = κ·min(Ĉ/S, B̂/T), the medians of Ĉ and B̂; a limit whose constant the
+    """docs/algorithms.md §8 step 4: η = κ·min(Ĉ/S, B̂/T), the medians of Ĉ and B̂; a limit whose constant the
     sweep could not estimate is left out (and shows as None). Ĉ/S is the law's interpolation; where the
     sweep bracketed η_max at this S (`boundary`), the measured value caps it too, so that a law that
     fits badly cannot recommend a rate at or past a collapse seen at this very S."""

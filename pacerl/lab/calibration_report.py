@@ -158,7 +158,7 @@ def markdown_report(result: CalibrationResult, options: Options) -> str:
         f"η ∈ {_braces(f'{lr:g}' for lr in options.lrs)} × seeds {_braces(options.seeds)}"
         + (f"; overrides: `{' '.join(options.overrides)}`" if options.overrides else "")
         + ". Collapse: the EMA-smoothed training reward (span 10) below half its running maximum without "
-        "climbing back to 80% of it (ALGORITHMS.md §8); runs that never collapse are censored at "
+        "climbing back to 80% of it (docs/algorithms.md §8); runs that never collapse are censored at "
         f"{options.steps} steps.",
         "",
         "| S | η | seed | collapsed | T_c | T_c·η | final reward | peak reward (EMA) | max grad-norm "

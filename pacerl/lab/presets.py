@@ -179,7 +179,7 @@ def _verl() -> Preset:
 
 
 def _pacerl_cpu() -> Preset:
-    # This project's own measurements on a 2-core machine (README benchmarks): CodeMath episodes at
+    # This project's own measurements on a 2-core machine (docs/benchmarks.md): CodeMath episodes at
     # 20-23 episodes/s with the local sandbox, the tiny MoE engine at ~700 tok/s with 32 rows, about 25
     # generated tokens per episode over 2 turns, a train step of ~0.3 s per 128 episodes, tool call ~15 ms.
     workload = WorkloadConfig(
@@ -221,7 +221,7 @@ def _pacerl_cpu() -> Preset:
         description="pacerl on a 2-core CPU: the tiny MoE engine on one core, the learner on the other",
         published=None,
         sources=(
-            "measured (README benchmarks): engine 695 tok/s with 32 rows → 46 ms per 32-row step (5 ms "
+            "measured (docs/benchmarks.md): engine 695 tok/s with 32 rows → 46 ms per 32-row step (5 ms "
             "floor + 1.3 ms per row); reprefill of 32 in-flight requests 177 ms (≈ 18k tok/s prefill); "
             "in-place weight update 3.7 ms; ~25 generated tokens per episode over 2 turns; tool call ~15 ms; "
             "a train step ≈ 0.3 s per 128 episodes; 20-25 episodes/s end to end with the sandbox",

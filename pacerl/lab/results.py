@@ -14,7 +14,7 @@ Mode: TypeAlias = Literal["async", "sync"]
 
 @dataclass(frozen=True)
 class StalenessStats:
-    """Token-weighted staleness of the trained trajectories (ALGORITHMS.md §6), from their records."""
+    """Token-weighted staleness of the trained trajectories (docs/algorithms.md §6), from their records."""
 
     model_tokens: int
     """Model tokens (record tokens) counted."""
