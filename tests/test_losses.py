@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from contextlib import AbstractContextManager
 from typing import Literal
 
 import pytest
@@ -18,7 +20,10 @@ from trainer.losses import (
     grpo_loss,
     gspo_loss,
     kl_k3,
+    mean_unit,
     sat_bounds,
+    sat_threshold,
+    sequence_staleness,
     token_logprobs,
 )
 
@@ -497,3 +502,410 @@ def test_nan_in_padding_leaves_grpo_and_gspo_and_their_gradients_finite(name: st
     out.loss.backward()
     assert torch.isfinite(out.loss) and new.grad is not None and torch.isfinite(new.grad).all()
     assert new.grad[0, 2] == 0
+
+
+# -- Mutation-testing kills (docs/mutation.md): each test pins a behaviour a plausible wrong edit would
+# change, with numbers worked out by hand.
+
+
+def _sat_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprobs, old, behaviour, advantages, mask) for the SAT tests below. Per token: d = log π_θ - log μ
+    (μ = -1), r = π_θ/π_old, A per row; SAT's q = 0.2 is given, so |d| = 0.3 is gated with
+    k = 1/(1 + ((0.3 - 0.2)/0.2)^2) = 0.8 and bounds [1 - 0.1·c−, 1 + 0.3·c+] (ClipConfig(0.1, 0.3)):
+    d > 0 -> hi = 1.24, d < 0 -> lo = 0.92; ungated tokens keep [0.9, 1.3].
+
+    row 0, A = +2: (d +0.3, r 1.25) -> -min(2.5, 2.48) = -2.48, SAT's clip (1.25 < 1.3);
+                   (d +0.3, r 1.5)  -> -min(3.0, 2.48) = -2.48, the base clip would bind too
+    row 1, A = -2: (d -0.3, r 0.91) -> -min(-1.82, -1.84) = 1.84, SAT's clip (0.91 > 0.9);
+                   (d -0.3, r 0.5)  -> -min(-1.0, -1.84) = 1.84, the base clip would bind too
+    row 2, A = -2: (d +0.3, r 1.28) -> -min(-2.56, -2.48) = 2.56, gated but a pull-back: unclipped
+    row 3, A = 3:  no trainable token (NaN padding)
+    row 4, A = +2: (d +0.1, r 1.5)  -> ungated, -min(3.0, 2.6) = -2.6
+    """
+    d = torch.tensor([[0.3, 0.3], [-0.3, -0.3], [0.3, NAN], [NAN, NAN], [0.1, NAN]])
+    r = torch.tensor([[1.25, 1.5], [0.91, 0.5], [1.28, NAN], [NAN, NAN], [1.5, NAN]])
+    mask = torch.isfinite(d)
+    behaviour = torch.where(mask, -1.0, NAN)
+    logprobs = behaviour + d
+    return logprobs, logprobs - torch.log(r), behaviour, torch.tensor([2.0, -2.0, -2.0, 3.0, 2.0]), mask
+
+
+def test_grpo_and_decoupled_ppo_sat_by_hand_with_asymmetric_radii() -> None:
+    logprobs, old, behaviour, advantages, mask = _sat_batch()
+    clip, sat = ClipConfig(0.1, 0.3), SATConfig()
+    # token mean over 6 tokens: (-2.48 - 2.48 + 1.84 + 1.84 + 2.56 - 2.6) / 6 = -1.32 / 6;
+    # sequence mean over the 4 rows with tokens: (-2.48 + 1.84 + 2.56 - 2.6) / 4 = -0.68 / 4
+    token_sum, sequence_sum = -1.32, -0.68
+    cases: list[tuple[Literal["token", "sequence"], float, int]] = [
+        ("token", token_sum, 6),
+        ("sequence", sequence_sum, 4),
+    ]
+    for aggregation, total, count in cases:
+        for denominator in (None, 2 * count):
+            grpo = grpo_loss(
+                logprobs,
+                old,
+                advantages,
+                mask,
+                clip,
+                aggregation,
+                sat,
+                behaviour,
+                sat_threshold=0.2,
+                denominator=denominator,
+            )
+            ppo = decoupled_ppo_loss(
+                logprobs,
+                old,
+                behaviour,
+                advantages,
+                mask,
+                clip,
+                behaviour_weight="none",
+                aggregation=aggregation,
+                sat=sat,
+                sat_threshold=0.2,
+                denominator=denominator,
+            )
+            for out in (grpo, ppo):
+                assert out.loss.item() == pytest.approx(total / (denominator or count), rel=1e-5)
+                assert out.gate_rate.item() == pytest.approx(5 / 6)  # all but the d = 0.1 token
+                assert out.clip_fraction.item() == pytest.approx(5 / 6)  # all but the pull-back
+                assert out.sat_active.item() == pytest.approx(2 / 6)  # r = 1.25 and r = 0.91 only
+                assert out.mean_contraction.item() == pytest.approx(0.8, rel=1e-5)
+    # Row by row, SAT acts on one token of row 0 (r 1.25, not 1.5), one of row 1 (r 0.91, not 0.5) and on
+    # none of rows 2 (pull-back) and 4 (ungated).
+    for row, acted in ((0, 0.5), (1, 0.5), (2, 0.0), (4, 0.0)):
+        part = slice(row, row + 1)
+        one = grpo_loss(
+            logprobs[part],
+            old[part],
+            advantages[part],
+            mask[part],
+            clip,
+            sat=sat,
+            sat_threshold=0.2,
+            behaviour_logprobs=behaviour[part],
+        )
+        assert one.sat_active.item() == acted
+    # Without SAT nothing is gated and the mean contraction of no gated token is 1, not a mean of nothing.
+    plain = grpo_loss(logprobs, old, advantages, mask, clip)
+    assert (plain.gate_rate.item(), plain.mean_contraction.item(), plain.sat_active.item()) == (0, 1, 0)
+
+
+def test_gspo_sat_gates_on_the_sequence_mean_by_hand() -> None:
+    # GSPO's gate reads each sequence's mean of log π_θ - log μ (μ = -1), q = 0.2 given, and clips the
+    # sequence ratio s_i (π_old = π_θ/s_i per token); ClipConfig(0.1, 0.3), k(0.3) = 0.8:
+    # row 0: d = +0.6, -0.6 -> mean 0, not gated (a token-level gate would gate both tokens);
+    #        s 1.25 inside [0.9, 1.3], A = +1: -1.25
+    # row 1: d = +0.3, +0.3 -> gated, hi = 1 + 0.3·0.8 = 1.24; s 1.25, A = +1: -1.24 (SAT's clip)
+    # row 2: d = -0.3       -> gated, lo = 1 - 0.1·0.8 = 0.92; s 0.91, A = -2: -min(-1.82, -1.84) = 1.84
+    # row 3: no trainable token: not in the mean (A = 5 would add -5 to it)
+    # row 4: d = +0.3, +0.3 -> gated, hi 1.24; s 1.28, A = -1 pulls back: -min(-1.28, -1.24) = 1.28
+    d = torch.tensor([[0.6, -0.6], [0.3, 0.3], [-0.3, NAN], [NAN, NAN], [0.3, 0.3]])
+    mask = torch.isfinite(d)
+    behaviour = torch.where(mask, -1.0, NAN)
+    logprobs = behaviour + d
+    old = logprobs - torch.log(torch.tensor([1.25, 1.25, 0.91, 1.0, 1.28]))[:, None]
+    advantages = torch.tensor([1.0, 1.0, -2.0, 5.0, -1.0])
+    total = -1.25 - 1.24 + 1.84 + 1.28
+    for token_level in (False, True):
+        for denominator in (None, 8):
+            out = gspo_loss(
+                logprobs,
+                old,
+                advantages,
+                mask,
+                ClipConfig(0.1, 0.3),
+                token_level,
+                SATConfig(),
+                behaviour,
+                sat_threshold=0.2,
+                denominator=denominator,
+            )
+            assert out.loss.item() == pytest.approx(total / (denominator or 4), rel=1e-5)
+            assert out.gate_rate.item() == 0.75  # rows 1, 2 and 4 of the 4 with tokens
+            assert out.clip_fraction.item() == 0.5  # rows 1 and 2
+            assert out.sat_active.item() == 0.5  # both clips are SAT's: 1.25 and 0.91 lie in [0.9, 1.3]
+            assert out.mean_contraction.item() == pytest.approx(0.8, rel=1e-5)
+
+
+def test_gspo_sequence_mean_skips_rows_without_tokens() -> None:
+    # Rows with log-ratio 0.1 (s = e^0.1 = 1.105, inside the clip) and A = 1, 2; a third row has no
+    # trainable token and A = 4: the mean is over the two rows, -(1.105 + 2·1.105) / 2.
+    logprobs = torch.tensor([[0.4, 0.6], [-0.4, NAN], [NAN, NAN]])
+    old = torch.tensor([[0.3, 0.5], [-0.5, NAN], [NAN, NAN]])
+    mask = torch.isfinite(logprobs)
+    out = gspo_loss(logprobs, old, torch.tensor([1.0, 2.0, 4.0]), mask)
+    assert out.loss.item() == pytest.approx(-3 * math.exp(0.1) / 2, rel=1e-6)
+
+
+def test_sat_contracts_only_the_endpoint_it_moved_toward_by_the_kernel_radius() -> None:
+    # q = 0.2 given, ClipConfig(eps_low 0.1, eps_high 0.3). cauchy k(x) = 1/(1 + ((x - q)/q)^2):
+    # k(0.3) = 1/1.25 = 0.8, k(0.6) = 1/(1 + 2^2) = 0.2; rational 2q²/(q² + x²): 0.08/0.13, 0.08/0.4.
+    d = torch.tensor([0.3, -0.3, 0.6, -0.1, 0.9])
+    active = torch.tensor([True, True, True, True, False])  # the last is padding: never gated
+    clip = ClipConfig(0.1, 0.3)
+    lo, hi, gated, k = sat_bounds(d, active, clip, SATConfig(), threshold=0.2)
+    assert gated.tolist() == [True, True, True, False, False]
+    _close(k, [0.8, 0.8, 0.2, 1.0, 1.0])
+    _close(lo, [0.9, 1 - 0.1 * 0.8, 0.9, 0.9, 0.9])  # only d < 0 contracts the lower end, by eps_low
+    _close(hi, [1 + 0.3 * 0.8, 1.3, 1 + 0.3 * 0.2, 1.3, 1.3])  # only d > 0 the upper end, by eps_high
+    _, _, _, rational = sat_bounds(d, active, clip, SATConfig(kernel="rational"), threshold=0.2)
+    _close(rational, [0.08 / 0.13, 0.08 / 0.13, 0.08 / 0.4, 1.0, 1.0])
+    # A level of 0 gates nothing (q > 0 is part of the gate), and the base interval stays.
+    lo, hi, gated, k = sat_bounds(d, active, clip, SATConfig(), threshold=0.0)
+    assert (
+        not gated.any()
+        and lo.tolist() == pytest.approx([0.9] * 5)
+        and hi.tolist() == pytest.approx([1.3] * 5)
+    )
+    # The level is used in the entries' precision: float64 entries, float64 q = 0.2.
+    d64 = torch.tensor([0.3, -0.3, 0.6, -0.1, 0.9], dtype=torch.float64)
+    k64 = sat_bounds(d64, active, clip, SATConfig(), threshold=0.2)[3]
+    assert k64.dtype == torch.float64
+    expected = torch.tensor(1 / (1 + ((0.3 - 0.2) / 0.2) ** 2), dtype=torch.float64)
+    torch.testing.assert_close(k64[0], expected, rtol=1e-12, atol=0.0)  # a float32 q is off by 5e-8
+
+
+@pytest.mark.parametrize("threshold", [-0.1, math.inf, NAN, torch.tensor([0.2])])
+def test_sat_bounds_refuse_a_bad_threshold(threshold: float | torch.Tensor) -> None:
+    d, active = torch.tensor([0.3]), torch.tensor([True])
+    with pytest.raises(ValueError, match=r"^threshold must be a finite scalar >= 0, got "):
+        sat_bounds(d, active, ClipConfig(), SATConfig(), threshold=threshold)
+
+
+def test_sat_threshold_ignores_padding_by_hand() -> None:
+    # |d| over the active entries = .1 .2 .3: the median is .2; the padding's 5.0 would make it .25.
+    d = torch.tensor([0.1, -0.2, 0.3, 5.0])
+    active = torch.tensor([True, True, True, False])
+    _close(sat_threshold(d, active, SATConfig(quantile=0.5)), 0.2)
+    # sat_bounds takes the same level: k(0.3) = 1/(1 + (0.1/0.2)^2) = 0.8 (with .25: 1/1.04)
+    _close(sat_bounds(d, active, ClipConfig(), SATConfig(quantile=0.5))[3], [1.0, 1.0, 0.8, 1.0])
+    # No active entry: level 0, a scalar in the entries' dtype.
+    empty = sat_threshold(d.double(), torch.zeros(4, dtype=torch.bool), SATConfig())
+    assert empty.shape == () and empty.item() == 0.0 and empty.dtype == torch.float64
+    assert sat_threshold(d.double(), active, SATConfig()).dtype == torch.float64
+
+
+def test_sequence_staleness_by_hand() -> None:
+    # Mean over trainable tokens of log π_θ - log μ; padding may hold NaN; no token -> 0.
+    logprobs = torch.tensor([[0.5, 0.1, 0.0], [-0.2, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    behaviour = torch.tensor([[0.1, 0.3, NAN], [0.4, NAN, NAN], [NAN, NAN, NAN]])
+    mask = torch.tensor([[True, True, False], [True, False, False], [False, False, False]])
+    # (0.4 - 0.2) / 2 = 0.1; -0.6 / 1; 0
+    _close(sequence_staleness(logprobs, behaviour, mask), [0.1, -0.6, 0.0])
+
+
+def test_mean_unit_names_what_each_loss_averages_over() -> None:
+    assert mean_unit("grpo", "token") == "token" and mean_unit("decoupled_ppo", "token") == "token"
+    assert mean_unit("grpo") == mean_unit("grpo", "sequence") == "sequence"
+    assert mean_unit("decoupled_ppo", "sequence") == "sequence"
+    for name in ("gspo", "gspo_token", "gmc"):
+        assert mean_unit(name, "token") == mean_unit(name) == "sequence"
+
+
+def test_decoupled_ppo_dual_clip_and_default_cap_by_hand() -> None:
+    # One token, u = 4, A = -2: pg = -min(-8, -2.4) = 8, and dual_clip c = 3 caps it at c·|A| = 6.
+    one = torch.ones(1, 1, dtype=torch.bool)
+    dual = decoupled_ppo_loss(
+        torch.tensor([[math.log(4)]]),
+        torch.zeros(1, 1),
+        torch.zeros(1, 1),
+        torch.tensor([-2.0]),
+        one,
+        behaviour_weight="none",
+        dual_clip=3.0,
+    )
+    assert dual.loss.item() == pytest.approx(6.0)
+    # The default cap is 5: w = π_prox/π_behav = 5.5 drops the token (it stays in the count: loss 0).
+    capped = decoupled_ppo_loss(
+        torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([[-math.log(5.5)]]), torch.tensor([1.0]), one
+    )
+    assert (capped.loss.item(), capped.masked_fraction.item()) == (0.0, 1.0)
+
+
+def test_gmc_by_hand_with_behaviour_log_probs_empty_rows_and_the_cap_boundary() -> None:
+    # μ ≠ 0: log ρ = mean(-0.9 + 1, -1.8 + 2) = 0.15, ρ = e^0.15 = 1.1618 < C = 1·1.2: uncapped, and the
+    # row without trainable tokens is no member of the group (else C = 2.4 and N = 2).
+    logprobs = torch.tensor([[-0.9, -1.8], [NAN, NAN]])
+    behaviour = torch.tensor([[-1.0, -2.0], [NAN, NAN]])
+    mask = torch.isfinite(logprobs)
+    out = gmc_loss(logprobs, behaviour, torch.tensor([2.0, 3.0]), mask, torch.tensor([0, 0]))
+    assert out.loss.item() == pytest.approx(-2 * math.exp(0.15), rel=1e-6)
+    assert out.clip_fraction.item() == 0.0
+    part = gmc_loss(logprobs, behaviour, torch.tensor([2.0, 3.0]), mask, torch.tensor([0, 0]), denominator=4)
+    assert part.loss.item() == pytest.approx(-2 * math.exp(0.15) / 4, rel=1e-6)
+    # eps = 0 is allowed: C = G. Two ratios of exactly 1 reach the cap 2 without passing it: uncapped.
+    at_cap = gmc_loss(
+        torch.zeros(2, 1),
+        torch.zeros(2, 1),
+        torch.tensor([2.0, -1.0]),
+        torch.ones(2, 1, dtype=torch.bool),
+        torch.tensor([5, 5]),
+        eps=0.0,
+    )
+    assert (at_cap.loss.item(), at_cap.clip_fraction.item()) == (-0.5, 0.0)
+    # No row with a trainable token: loss 0 with a (zero) gradient, nothing capped, gated or contracted.
+    new = torch.zeros(2, 1, requires_grad=True)
+    none = gmc_loss(
+        new, torch.zeros(2, 1), torch.ones(2), torch.zeros(2, 1, dtype=torch.bool), torch.tensor([0, 1])
+    )
+    none.loss.backward()
+    assert none.loss.item() == 0.0 and new.grad is not None and new.grad.tolist() == [[0.0], [0.0]]
+    assert (none.clip_fraction.item(), none.gate_rate.item(), none.mean_contraction.item()) == (0.0, 0.0, 1.0)
+
+
+def test_gmc_caps_in_float64_by_hand() -> None:
+    # log ρ = 0.5, 0.3 (one token each): Σρ = e^0.5 + e^0.3 = 2.99858 > C = 2·1.2 = 2.4, so both are
+    # scaled by 2.4/Σρ; the loss is -(2.4/Σρ)·(ρ_0·1 - ρ_1·2)/2, computed in float64 throughout.
+    logprobs = torch.tensor([[0.5], [0.3]], dtype=torch.float64)
+    out = gmc_loss(
+        logprobs,
+        torch.zeros_like(logprobs),
+        torch.tensor([1.0, -2.0], dtype=torch.float64),
+        torch.ones(2, 1, dtype=torch.bool),
+        torch.tensor([0, 0]),
+    )
+    rho = [math.exp(0.5), math.exp(0.3)]
+    expected = -(2.4 / sum(rho)) * (rho[0] - 2 * rho[1]) / 2
+    assert out.loss.dtype == torch.float64
+    torch.testing.assert_close(out.loss, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert out.clip_fraction.item() == 1.0
+
+
+def test_kl_k3_far_past_the_bound_keeps_a_finite_gradient() -> None:
+    # δ = 100: e^100 overflows float32; clamped at 20 first, the token counts 10 and has no gradient.
+    logprobs = torch.tensor([[-100.0]], requires_grad=True)
+    kl = kl_k3(logprobs, torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool))
+    kl.backward()
+    assert kl.item() == 10.0 and logprobs.grad is not None and logprobs.grad.item() == 0.0
+
+
+def test_advantages_at_their_boundaries_by_hand() -> None:
+    pair = torch.tensor([[1.0, 0.0]])
+    # G = 2, unbiased: std = sqrt(0.5) -> ±0.5/sqrt(0.5) = ±0.7071068
+    _close(grpo_advantages(pair, unbiased=True), [[math.sqrt(0.5), -math.sqrt(0.5)]])
+    # population std 0.5 is not above eps = 0.5: no signal; just above eps 0.49 it normalises to ±1
+    assert grpo_advantages(pair, eps=0.5).tolist() == [[0.0, 0.0]]
+    assert grpo_advantages(pair, eps=0.49).tolist() == [[1.0, -1.0]]
+    # REINFORCE++: centred [.5, -.5] has std 0.5 -> ±1 above eps, 0 at it; equal rewards give 0
+    assert reinforce_pp_baseline_advantages(pair).tolist() == [[1.0, -1.0]]
+    assert reinforce_pp_baseline_advantages(pair, eps=0.5).tolist() == [[0.0, 0.0]]
+    assert reinforce_pp_baseline_advantages(torch.ones(2, 3)).tolist() == [[0.0] * 3] * 2
+
+
+def _refused(message: str) -> AbstractContextManager[pytest.ExceptionInfo[ValueError]]:
+    return pytest.raises(ValueError, match="^" + re.escape(message) + "$")
+
+
+def test_refusals_say_what_is_wrong() -> None:
+    """The exact messages: a refusal must name the argument and the values it got."""
+    with _refused("rewards must be [groups, G], got shape (3,)"):
+        grpo_advantages(torch.zeros(3))
+    with _refused("rewards must be [groups, G], got shape (2, 0)"):
+        dr_grpo_advantages(torch.zeros(2, 0))
+    with _refused("rewards contain NaN or inf"):
+        grpo_advantages(torch.tensor([[1.0, math.inf]]))
+    with _refused("need 0 < eps_low < 1 and eps_high > 0, got 0.0, 0.2"):
+        ClipConfig(0.0, 0.2)
+    for eps_low, eps_high in ((1.0, 0.2), (1.5, 0.2), (0.2, 0.0)):
+        with _refused(f"need 0 < eps_low < 1 and eps_high > 0, got {eps_low}, {eps_high}"):
+            ClipConfig(eps_low, eps_high)
+    for quantile in (0.0, 1.0, 1.5):
+        with _refused(f"quantile must be in (0, 1), got {quantile}"):
+            SATConfig(quantile=quantile)
+    with _refused("kernel must be cauchy or rational, got 'gauss'"):
+        SATConfig(kernel="gauss")  # type: ignore[arg-type]
+    zeros, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with _refused("logprobs, old_logprobs and mask must share a [B, T] shape, got (2, 3), (2, 2), (2, 3)"):
+        grpo_loss(zeros, torch.zeros(2, 2), torch.zeros(2), mask)
+    with _refused("mask must be a bool tensor"):
+        gspo_loss(zeros, zeros, torch.zeros(2), mask.float())
+    with _refused("advantages must be [B] = [2], got (3,)"):
+        grpo_loss(zeros, zeros, torch.zeros(3), mask)
+    for denominator in (0.0, -1.0, math.inf, NAN):
+        with _refused(f"denominator must be a positive count, got {denominator}"):
+            grpo_loss(zeros, zeros, torch.zeros(2), mask, denominator=denominator)
+    _close(grpo_loss(zeros, zeros, torch.ones(2), mask, aggregation="token", denominator=1.0).loss, -6.0)
+    with _refused("temperature must be positive and finite, got inf"):
+        token_logprobs(torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long), temperature=math.inf)
+
+
+@pytest.mark.parametrize("loss", ["gspo", "decoupled", "gmc", "kl"])
+@pytest.mark.parametrize("argument", ["logprobs", "anchor", "advantages"])
+def test_every_input_is_checked_on_trainable_tokens(loss: str, argument: str) -> None:
+    mask = torch.tensor([[True, True], [True, False]])
+    tensors = {"logprobs": torch.zeros(2, 2), "anchor": torch.zeros(2, 2), "advantages": torch.zeros(2)}
+    tensors[argument][(0, 1) if argument != "advantages" else 1] = NAN
+    logprobs, anchor, advantages = tensors["logprobs"], tensors["anchor"], tensors["advantages"]
+    names = {
+        "gspo": "old_logprobs",
+        "decoupled": "proximal_logprobs",
+        "gmc": "behaviour_logprobs",
+        "kl": "reference_logprobs",
+    }
+    name = {"logprobs": "logprobs", "anchor": names[loss], "advantages": "advantages"}[argument]
+    if loss == "kl" and argument == "advantages":
+        return  # kl_k3 takes no advantages
+    with _refused(
+        f"{name} contain NaN or inf" + ("" if argument == "advantages" else " on trainable tokens")
+    ):
+        if loss == "gspo":
+            gspo_loss(logprobs, anchor, advantages, mask)
+        elif loss == "decoupled":
+            decoupled_ppo_loss(logprobs, anchor, torch.zeros(2, 2), advantages, mask)
+        elif loss == "gmc":
+            gmc_loss(logprobs, anchor, advantages, mask, torch.tensor([0, 0]))
+        else:
+            kl_k3(logprobs, anchor, mask)
+    if loss == "decoupled" and argument == "anchor":  # the behaviour log-probs are checked as well
+        with _refused("behaviour_logprobs contain NaN or inf on trainable tokens"):
+            decoupled_ppo_loss(torch.zeros(2, 2), torch.zeros(2, 2), anchor, torch.zeros(2), mask)
+
+
+def test_entropy_token_logprobs_and_gmc_refusals_name_the_shapes() -> None:
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    with _refused("logits must be [B, T, V] and mask [B, T], got (1, 2), (1, 2)"):
+        entropy_from_logits(torch.zeros(1, 2), mask)
+    with _refused("mask must be a bool tensor"):
+        entropy_from_logits(torch.zeros(1, 2, 3), mask.float())
+    for bad in (NAN, math.inf):
+        with _refused("logits contain NaN or +inf on trainable tokens"):
+            entropy_from_logits(torch.tensor([[[0.0, bad], [0.0, 0.0]]]), mask)
+    # no trainable token: entropy 0, not the mean of nothing
+    assert entropy_from_logits(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.bool)).item() == 0.0
+    with _refused("logits must be [B, T, V] and targets [B, T], got (2, 3), (2, 3)"):
+        token_logprobs(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long))
+    with _refused("targets must be an integer tensor, got torch.bool"):
+        token_logprobs(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.bool))
+    # V = 5 > T = 2: ids 3 and 4 are valid; 5 is not, and the message names V
+    _close(token_logprobs(torch.zeros(1, 2, 5), torch.tensor([[3, 4]])), [[-math.log(5)] * 2])
+    with pytest.raises(ValueError, match=r"^targets must be token ids in \[0, 5\), got "):
+        token_logprobs(torch.zeros(1, 2, 5), torch.tensor([[0, 5]]))
+    three = torch.ones(2, 3, dtype=torch.bool)
+    with _refused("group_index must be [B] = [2], got (3,)"):
+        gmc_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), three, torch.tensor([0, 0, 1]))
+    with _refused("group_index must be an integer tensor, got torch.bool"):
+        gmc_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), three, torch.tensor([True, False]))
+
+
+def test_gspo_clips_asymmetrically_and_takes_sat_quantile_over_sequences_with_tokens() -> None:
+    # ClipConfig(0.1, 0.3), no SAT: s = 1.25 (A = +1) stays below 1.3: -1.25; s = 0.85 (A = -1) is
+    # clipped at 0.9: -min(-0.85, -0.9) = 0.9.
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    logprobs = torch.log(torch.tensor([[1.25], [0.85]]))
+    out = gspo_loss(logprobs, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), mask, ClipConfig(0.1, 0.3))
+    assert out.loss.item() == pytest.approx((-1.25 + 0.9) / 2) and out.clip_fraction.item() == 0.5
+    # SAT's level over the sequences' mean log π_θ - log μ = 0.1, 0.2, 0.3 (s = 1 throughout): the median
+    # 0.2 gates the 0.3 row with k = 0.8. The two rows without tokens are no part of it (with their zeros
+    # the median would be 0.1 and gate two rows).
+    d = torch.tensor([[0.1], [0.2], [0.3], [NAN], [NAN]])
+    mask = torch.isfinite(d)
+    logprobs = torch.where(mask, -1.0, NAN)
+    gated = gspo_loss(
+        logprobs, logprobs, torch.ones(5), mask, sat=SATConfig(quantile=0.5), behaviour_logprobs=logprobs - d
+    )
+    assert gated.gate_rate.item() == pytest.approx(1 / 3)
+    assert gated.mean_contraction.item() == pytest.approx(0.8, rel=1e-5)
+    assert gated.loss.item() == pytest.approx(-1.0)
