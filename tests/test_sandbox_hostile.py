@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import os
+import json
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
 from sandbox import ExecStatus, Limits, Sandbox
-from sandbox.docker_backend import DockerBackend
 from sandbox.local import LocalBackend
 
 SHORT = Limits(timeout_s=3)
@@ -98,6 +99,7 @@ except OSError as error:
 
 def test_writes_outside_work_dir_denied(any_sandbox: Sandbox) -> None:
     code = """
+import json
 import os
 for path in ["/usr/pwned", "/etc/pwned", "/pwned", "/usr/lib/pwned", "/bin/pwned", "/proc/pwned"]:
     try:
@@ -123,6 +125,7 @@ def test_host_files_invisible(any_sandbox: Sandbox, tmp_path: Path) -> None:
     project_file = Path(__file__).resolve()
     try:
         code = f"""
+import json
 import os
 paths = [{str(host_tmp_file)!r}, {str(project_file)!r}, "/root", "/home", {str(Path.home())!r},
          {str(project_file.parent.parent)!r}, "/etc/shadow", "/etc/passwd-"]
@@ -243,6 +246,7 @@ subprocess.Popen(["bash", "-c", "exec -a {marker} sleep 300"], start_new_session
 print("spawned")
 """,
         "double-fork": f"""
+import json
 import os
 if os.fork() == 0:
     os.setsid()
@@ -275,21 +279,27 @@ def backend_label(sandbox: Sandbox) -> str:
     return sandbox.backend_name
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+SOAK = """
+import json, os, sys, time
+from pathlib import Path
+
+import psutil
+
+from sandbox import Sandbox
+from sandbox.docker_backend import DockerBackend
+from sandbox.local import LocalBackend
+
+runs, sessions, options = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
 
 
-def _sandbox_cgroups() -> int:
-    """Sandbox cgroups this process has made (one folder per sandbox under pacerl-<pid>-*)."""
-    base = Path("/sys/fs/cgroup/pids")
-    return sum(
-        len([d for d in tree.iterdir() if d.is_dir()]) for tree in base.glob(f"pacerl-{os.getpid()}-*")
-    )
+def until(holds, seconds=60.0):
+    deadline = time.monotonic() + seconds  # a hang guard only
+    while not holds() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return holds()
 
 
-def _quiet(sandbox: Sandbox) -> bool:
-    """True when the backend starts and removes nothing in the background (warm pools refilled, used
-    sandboxes gone): then its processes, descriptors and cgroups are what it keeps, not a moment's."""
+def quiet(sandbox):
     backend = sandbox._backend
     if isinstance(backend, LocalBackend):
         return not backend._filling
@@ -297,50 +307,80 @@ def _quiet(sandbox: Sandbox) -> bool:
     return not backend._starting and not backend._removing
 
 
-def _until(holds: Callable[[], bool], seconds: float = 60.0) -> bool:
-    """Whether `holds()` came true; polls until it does, with `seconds` as a hang guard only."""
-    deadline = time.monotonic() + seconds
-    while not holds() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return holds()
+def fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def children():
+    return len(psutil.Process().children(recursive=True))
+
+
+def cgroups():
+    base = Path("/sys/fs/cgroup/pids")
+    return sum(len([d for d in t.iterdir() if d.is_dir()]) for t in base.glob(f"pacerl-{os.getpid()}-*"))
+
+
+with Sandbox(**options) as box:
+    box.run("print(0)")  # warm pools and lazy clients exist before the baseline
+    with box.session() as session:
+        session.run("1")
+    assert until(lambda: quiet(box)), "the warm pools never finished refilling"
+    before = {"fds": fds(), "children": children(), "cgroups": cgroups()}
+    rss, tmp_entries = psutil.Process().memory_info().rss, set(os.listdir("/tmp"))
+    for i in range(runs):
+        result = box.run(f"print({i})")
+        assert result.stdout == f"{i}\\n", result
+    for i in range(sessions):
+        with box.session() as session:
+            session.run(f"x = {i}")
+            assert session.run("x").stdout == f"{i}\\n"
+    assert until(lambda: quiet(box)), "the warm pools never finished refilling"
+    # What the backend releases late (a cgroup still holding exiting processes) may take a moment.
+    until(lambda: fds() <= before["fds"] + 2 and children() <= before["children"] + 2)
+    until(lambda: cgroups() <= before["cgroups"] + 2)
+    after = {"fds": fds(), "children": children(), "cgroups": cgroups()}
+    # Temp dirs a leak would leave (Python's tempfile names, pacerl's own); another process's
+    # transient temp dir goes, a leak stays.
+    new = {n for n in set(os.listdir("/tmp")) - tmp_entries if n.startswith(("tmp", "pacerl"))}
+    until(lambda: not any(os.path.exists(f"/tmp/{n}") for n in new), seconds=30)
+    left = sorted(n for n in new if os.path.exists(f"/tmp/{n}"))
+    targets = sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                     if os.path.exists(f"/proc/self/fd/{fd}"))
+    growth = psutil.Process().memory_info().rss - rss
+report = {"before": before, "after": after, "rss_growth": growth, "tmp_left": left, "fd_targets": targets}
+print(json.dumps(report))
+"""
 
 
 @pytest.mark.slow
-def test_many_runs_leak_nothing(any_sandbox: Sandbox) -> None:
+def test_many_runs_leak_nothing(any_sandbox: Sandbox, request: pytest.FixtureRequest) -> None:
     """A soak: thousands of one-shot runs and hundreds of recycled sessions leave no process,
-    descriptor, temp dir, cgroup or memory behind."""
+    descriptor, temp dir, cgroup or memory behind. It runs in a process of its own, so that what the
+    other tests' sandboxes and threads do meanwhile cannot count as this backend's leak."""
     label = backend_label(any_sandbox)
     runs = {"local": 2000, "local-unshare": 300, "docker": 60}[label]
     sessions = {"local": 300, "local-unshare": 100, "docker": 10}[label]
-    any_sandbox.run("print(0)")  # warm pools and lazy clients exist before the baseline
-    with any_sandbox.session() as session:
-        session.run("1")
-    assert _until(lambda: _quiet(any_sandbox)), "the warm pools never finished refilling"
-    fds, children = _open_fds(), len(psutil.Process().children(recursive=True))
-    cgroups, rss = _sandbox_cgroups(), psutil.Process().memory_info().rss
-    tmp_entries = set(os.listdir("/tmp"))
-    for i in range(runs):
-        result = any_sandbox.run(f"print({i})")
-        assert result.stdout == f"{i}\n", result
-    for i in range(sessions):
-        with any_sandbox.session() as session:
-            session.run(f"x = {i}")
-            assert session.run("x").stdout == f"{i}\n"
-    assert _until(lambda: _quiet(any_sandbox)), "the warm pools never finished refilling"
-    # What the backend releases late (a cgroup still holding exiting processes) may take a moment.
-    assert _until(lambda: _open_fds() <= fds + 2), (_open_fds(), fds)
-    assert _until(lambda: len(psutil.Process().children(recursive=True)) <= children + 2)
-    assert _until(lambda: _sandbox_cgroups() <= cgroups + 2), (_sandbox_cgroups(), cgroups)
-    assert psutil.Process().memory_info().rss - rss < 64 << 20
-    # Temp dirs a leak would leave (Python's tempfile names, pacerl's own); runc's transient
-    # runc-process* files and other test processes' files are not ours: a leak stays, another
-    # process's transient temp dir goes.
-    new = {name for name in set(os.listdir("/tmp")) - tmp_entries if name.startswith(("tmp", "pacerl"))}
-
-    def left() -> set[str]:
-        return {name for name in new if os.path.exists(f"/tmp/{name}")}
-
-    assert _until(lambda: not left(), seconds=30), left()
+    options: dict[str, object] = {
+        "local": {"backend": "local"},
+        "local-unshare": {"backend": "local", "isolation": "unshare"},
+        "docker": {"backend": "docker", "image": request.getfixturevalue("docker_image")}
+        if label == "docker"
+        else {},
+    }[label]
+    soak = subprocess.run(
+        [sys.executable, "-c", SOAK, str(runs), str(sessions), json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert soak.returncode == 0, soak.stderr[-3000:]
+    report = json.loads(soak.stdout.splitlines()[-1])
+    before, after = report["before"], report["after"]
+    assert after["fds"] <= before["fds"] + 2, (before, after, report["fd_targets"])
+    assert after["children"] <= before["children"] + 2, (before, after)
+    assert after["cgroups"] <= before["cgroups"] + 2, (before, after)
+    assert report["rss_growth"] < 64 << 20
+    assert report["tmp_left"] == []
 
 
 def test_code_inherits_no_host_descriptor(any_sandbox: Sandbox) -> None:
@@ -402,6 +442,7 @@ print('held', len(alive) * 100, 'MiB')
 """,
     # memfds are shared memory, counted by no address-space limit.
     "memfd": """
+import json
 import os
 fds, total = [], 0
 try:
@@ -415,6 +456,7 @@ except OSError as error:
 print('held', total, 'MiB')
 """,
     "dev-shm": """
+import json
 import os
 total = 0
 try:
