@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test lint format bench mutate clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,16 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/pool.py
 	$(BIN)/python benchmarks/trainer.py
 	$(BIN)/python benchmarks/ray.py
+
+# Mutation testing of the losses, the advantages and the pool's budget, ranking and draw order with
+# mutmut (docs/mutation.md); not part of `make test`. A fresh run each time (mutmut would otherwise keep
+# earlier verdicts), two mutants at a time, one thread each: torch's thread pool does not survive
+# mutmut's fork. The report prints the score per file and every survivor, and fails below 90%.
+mutate: $(STAMP)
+	rm -rf mutants && mkdir mutants
+	$(BIN)/python tests/mutation_report.py --globs | OMP_NUM_THREADS=1 xargs $(BIN)/mutmut run --max-children 2 \
+		> mutants/run.log 2>&1 || (tail -n 40 mutants/run.log; exit 1)
+	$(BIN)/python tests/mutation_report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

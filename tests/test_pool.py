@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -581,3 +582,107 @@ def test_bad_input_raises() -> None:
         pool.select(1, 10)
     with pytest.raises(ValueError, match="FilterConfig"):
         TrajectoryPool("pace")  # type: ignore[arg-type]
+
+
+# -- Mutation-testing kills (docs/mutation.md): each test pins a behaviour a plausible wrong edit would
+# change, with numbers worked out by hand.
+
+
+def test_pace_scores_a_group_by_its_members_mean() -> None:
+    # GS = 0 everywhere, so S_eff = WS = 10 - v_done. X (one member): 3; Y (two): 5 and 0, mean 2.5;
+    # Z (three): 2, 2, 2, mean 2. P = 3, P* = 2, β = 0: e = 1/3, K = round(1) = 1 rejects X, the largest
+    # mean. The max (Y: 5), the sum (Z: 6) or the sum times the size (Z: 18) would reject another group.
+    pool = TrajectoryPool(FilterConfig(name="pace", target_groups=2, ema=0.0))
+    pool.add_group([traj("X/0", "X", [(7, 1)], 7)])
+    pool.add_group([traj("Y/0", "Y", [(5, 1)], 5), traj("Y/1", "Y", [(10, 1)], 10)])
+    pool.add_group([traj(f"Z/{i}", "Z", [(8, 1)], 8) for i in range(3)])
+    assert ids(pool.select(3, 10, no_drift_call)) == ["Y", "Z"]
+    assert pool.rejected_ids == ["X/0"] and pool.last_budget == 1
+
+
+def test_pool_counters_add_up_over_selects() -> None:
+    pool = pool_of(FilterConfig(name="pace", target_groups=2, ema=0.5))
+    assert ids(pool.select(2, 10)) == ["A", "B"]  # as in the test without drift: C rejected, D stays
+    assert (pool.counts["drawn_groups"], pool.counts["drift_unscored"]) == (2, 3)
+    pool.add_group([traj("E/0", "E", [(9, 1), (10, 1)], 10)])  # GS (1 + 0)/2 = 0.5, unscored: pct 1
+    pool.add_group([traj("F/0", "F", [(10, 1)], 10)])
+    pool.add_group([traj("G/0", "G", [(10, 1)], 10)])
+    # P = 4 (D, E, F, G): e = 0.5·0.25 + 0.5·(2/4) = 0.375, K = round(1.5) = 2 rejects E (0.5) and the
+    # latest of the tied zeros (G); D and F are drawn
+    assert ids(pool.select(2, 10)) == ["D", "F"] and pool.rejected_ids[2:] == ["E/0", "G/0"]
+    assert (pool.counts["drawn_groups"], pool.counts["drift_unscored"]) == (4, 4)
+
+
+def test_fifo_continues_from_any_group_left_at_the_front() -> None:
+    pool = TrajectoryPool(FilterConfig(name="none"))
+    for name in "ABC":
+        pool.add_group([traj(f"{name}/0", name, [(0, 1)], 0)])
+    assert ids(pool.select(1, 0)) == ["A"]
+    assert ids(pool.select(1, 0)) == ["B"]  # the front group now has arrival number 1
+    with pytest.raises(ValueError, match=r"^batch_groups must be >= 1, got 0$"):
+        pool.select(0, 0)
+
+
+def test_order_ends_return_positions_even_when_empty() -> None:
+    values = np.array([0.5, 0.25, 0.75])
+    for head, tail in ((0, 0), (1, 0), (0, 1), (1, 2)):
+        last, first = _order_ends(values, head, tail)
+        assert last.dtype == np.intp and first.dtype == np.intp
+        assert first.tolist() == [1][:head] and last.tolist() == [0, 2][2 - tail :]
+
+
+def test_budget_and_admission_refusals_name_the_argument() -> None:
+    admission = {
+        "trainer_steps": 0,
+        "running_groups": 0,
+        "accepted_groups": 0,
+        "batch_groups": 1,
+        "max_concurrent_groups": 1,
+        "max_offpolicyness": 0,
+    }
+    # the smallest legal values: one group may run, min(1 - 0, (0 + 0 + 1)·1 - 0) = 1
+    assert admission_capacity(**admission) == 1
+    for name, minimum in (
+        ("trainer_steps", 0),
+        ("running_groups", 0),
+        ("accepted_groups", 0),
+        ("batch_groups", 1),
+        ("max_concurrent_groups", 1),
+        ("max_offpolicyness", 0),
+    ):
+        with pytest.raises(ValueError, match=rf"^{name} must be >= {minimum}, got {minimum - 1}$"):
+            admission_capacity(**{**admission, name: minimum - 1})
+    # P* = 0 is legal: everything is excess, e = 0.5·0 + 0.5·1 = 0.5, K = min(round(1), 2) = 1
+    assert pace_budget(occupancy=2, target=0, ema=0.5, previous=0.0) == (0.5, 1)
+    budget = {"occupancy": 2, "target": 0, "ema": 0.5, "previous": 0.0}
+    for name, bad, message in (
+        ("occupancy", -1, "occupancy must be >= 0, got -1"),
+        ("target", -1, "target must be >= 0, got -1"),
+        ("ema", 1.0, "ema must be finite and in [0.0, 1.0), got 1.0"),
+        ("previous", 1.5, "previous must be finite and in [0.0, 1.0], got 1.5"),
+    ):
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            pace_budget(**{**budget, name: bad})  # type: ignore[arg-type]
+
+
+def test_effective_staleness_and_prefix_drift_refusals_and_precision() -> None:
+    with pytest.raises(ValueError, match="must share a 1-D shape"):
+        effective_staleness([0.0, 1.0], [0.0], [0.5, 0.5], 4.0)  # GS alone has the wrong shape
+    with pytest.raises(ValueError, match="must share a 1-D shape"):
+        effective_staleness(np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), 4.0)
+    with pytest.raises(ValueError, match=r"^waiting and generation staleness must be finite and >= 0$"):
+        effective_staleness([0.0], [-1.0], [0.5], 4.0)
+    with pytest.raises(ValueError, match=r"^drift percentiles must be in \[0, 1\]$"):
+        effective_staleness([0.0], [1.0], [-0.5], 4.0)
+    # computed in float64 whatever comes in: pct 0.7 (as float32) squared twice, times GS 1
+    pct = np.float32([0.7])
+    assert effective_staleness([0.0], [1.0], pct, 4.0).tolist() == [float(pct[0]) ** 2 * float(pct[0]) ** 2]
+    current, behaviour, mask = np.array([-1.0, -0.5, -2.0]), np.array([-1.2, 0.0, -1.0]), np.ones(3, bool)
+    with pytest.raises(ValueError, match="must share a 1-D shape"):
+        prefix_drift(current, behaviour[:2], mask)  # behaviour alone has the wrong shape
+    with pytest.raises(ValueError, match="must share a 1-D shape"):
+        prefix_drift(current[None], behaviour[None], mask[None])
+    with pytest.raises(ValueError, match=r"^no model tokens: the prefix drift is undefined$"):
+        prefix_drift(current, behaviour, np.zeros(3, bool))
+    with pytest.raises(ValueError, match=r"^log-probs must be finite on model tokens$"):
+        prefix_drift(current, np.array([-1.2, math.nan, -1.0]), mask)
