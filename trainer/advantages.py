@@ -1,4 +1,4 @@
-"""Advantage estimators: pure functions over a `[groups, G]` reward tensor (ALGORITHMS.md §1)."""
+"""Advantage estimators: pure functions over a `[groups, G]` reward tensor (docs/algorithms.md §1)."""
 
 from __future__ import annotations
 

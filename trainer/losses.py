@@ -1,7 +1,7 @@
 """Policy losses as pure functions: GRPO (token-level clip), GSPO and GSPO-token (sequence ratio),
 each with an optional staleness-adaptive trust region (SAT); AReaL's decoupled PPO (with TIS); GMC-GRPO's
 group-mass capping; and the helpers around them (k3 KL, entropy, token log-probs).
-ALGORITHMS.md §1, §2, §3, §5 and §7.
+docs/algorithms.md §1, §2, §3, §5 and §7.
 
 Shapes: `logprobs`, `old_logprobs`, `proximal_logprobs`, `behaviour_logprobs`: `[B, T]` per-token
 log-probs of the sampled tokens (current policy, the ratio's anchor, the rollout engine); `mask`:
@@ -272,7 +272,7 @@ def decoupled_ppo_loss(
     sat_threshold: torch.Tensor | float | None = None,
     denominator: float | None = None,
 ) -> LossOutput:
-    """AReaL's decoupled PPO (arXiv 2505.24298; `ppo_actor_loss_fn`; ALGORITHMS.md §2): the trust region
+    """AReaL's decoupled PPO (arXiv 2505.24298; `ppo_actor_loss_fn`; docs/algorithms.md §2): the trust region
     is anchored at the proximal policy and the off-policy correction is a separate, detached weight.
 
     Per token: u = exp(log π_θ - log π_prox), pg = max(-A·u, -A·clip(u, lo, hi)); with `dual_clip` c > 1,
@@ -350,7 +350,7 @@ def gmc_loss(
     length_normalized: bool = True,
     denominator: float | None = None,
 ) -> LossOutput:
-    """Group-Mass Capping (GMC-GRPO, arXiv 2610.01896; ALGORITHMS.md §7). A reconstruction: only the
+    """Group-Mass Capping (GMC-GRPO, arXiv 2610.01896; docs/algorithms.md §7). A reconstruction: only the
     abstract and one third-party formula, w_i = ρ_i·min(1, C/Σ_j ρ_j), were available, so C = G(1+eps),
     the detached scale and the length treatment of ρ are our reading, not the paper's code.
 
@@ -459,9 +459,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
     Shapes: `logits` `[B, T, V]`, `targets` `[B, T]` integer ids in [0, V) → `[B, T]`. The caller aligns
     positions (the logits at t - 1 score token t). Pass the rollout's sampling temperature: the engine's
-    behaviour log-probs (ALGORITHMS.md §2, §5) are those of the tempered distribution the tokens were drawn
-    from. Computed as z_target - logsumexp(z), z = logits / T, so the backward keeps no second
-    `[B, T, V]` tensor of log-probs.
+    behaviour log-probs (docs/algorithms.md §2, §5) are those of the tempered distribution the tokens
+    were drawn from. Computed as z_target - logsumexp(z), z = logits / T, so the backward keeps no
+    second `[B, T, V]` tensor of log-probs.
     """
     _check_temperature(temperature)
     if logits.ndim != 3 or targets.shape != logits.shape[:2]:

@@ -1,4 +1,4 @@
-"""The trajectory pool between rollout and training, with its staleness filters (ALGORITHMS.md §2, §6).
+"""The trajectory pool between rollout and training, with its staleness filters (docs/algorithms.md §2, §6).
 
 Completed groups wait here until the trainer draws a batch. Four filters decide what is admitted and
 what is thrown away (`FilterConfig.name`):
@@ -18,7 +18,7 @@ what is thrown away (`FilterConfig.name`):
 
 Groups, not trajectories, are the unit of admission, rejection and drawing, so group-normalised
 advantages (GRPO) always see every member of a group. The PACE paper does not say how it handles groups
-(ALGORITHMS.md §6, "Group handling"); ranking a group by the mean S_eff of its members is the option the
+(docs/algorithms.md §6, "Group handling"); ranking a group by the mean S_eff of its members is the option the
 spec lists first, and it never needs regeneration of removed members.
 
 Staleness terms (GS, WS) come from the trajectory record alone (`agents.trajectory`). A finished member
@@ -165,7 +165,7 @@ def admission_capacity(
 
 
 def pace_budget(*, occupancy: int, target: int, ema: float, previous: float) -> tuple[float, int]:
-    """PACE's rejection budget [R] (arXiv 2609.36830; ALGORITHMS.md §6), in groups:
+    """PACE's rejection budget [R] (arXiv 2609.36830; docs/algorithms.md §6), in groups:
 
         e_t = β·e_{t−1} + (1 − β)·max(0, (P_t − P*)/P_t)      (the excess term is 0 when P_t = 0)
         K_t = min(round(e_t·P_t), max(0, P_t − P*))            (round half up)
@@ -173,7 +173,7 @@ def pace_budget(*, occupancy: int, target: int, ema: float, previous: float) -> 
     P_t = `occupancy` (groups in the pool before drawing), P* = `target`, β = `ema`, e_{t−1} =
     `previous` (0 at the start). Returns (e_t, K_t). e_t stays in [0, 1].
 
-    Two departures from ALGORITHMS.md's K_t = ⌈e_t·P_t⌉, both so that a pool at or below its target
+    Two departures from docs/algorithms.md's K_t = ⌈e_t·P_t⌉, both so that a pool at or below its target
     is never thinned: the ceiling would reject a group on every step for as long as the decaying EMA
     stays above zero (hundreds of steps after one overload), and a smoothed budget larger than the
     present excess would push the pool below P*. The EMA still smooths the budget while over target.
@@ -203,8 +203,7 @@ def percentile_ranks(values: Sequence[float] | npt.NDArray[np.floating[Any]]) ->
         return np.full(n, 0.5)
     order = np.argsort(x)  # stability is not needed: tie runs get their mean rank below
     ordered = x[order]
-    first = np.empty(n, dtype=np.bool_)
-    first[0] = True
+    first = np.ones(n, dtype=np.bool_)  # position 0 always starts a run
     np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
     ranks = np.empty(n)
     if first.all():  # no ties, the usual case for continuous drift scores
@@ -287,7 +286,7 @@ def prefix_drift(
 
     All three are `[T]`, aligned with `Trajectory.tokens`: the current policy's log-prob of each token,
     the recorded behaviour log-prob (`Trajectory.behaviour_logprobs`) and the bool `Trajectory.loss_mask`
-    (True on model tokens, the only positions read). The exact form of F is not public (ALGORITHMS.md
+    (True on model tokens, the only positions read). The exact form of F is not public (docs/algorithms.md
     §6); the mean absolute log-ratio is the reconstruction given there.
     """
     current = np.asarray(current_logprobs, dtype=np.float64)
@@ -348,7 +347,7 @@ class StalenessSummary:
 
 def staleness_summary(trajectories: Iterable[Trajectory], v_now: int) -> StalenessSummary:
     """The token-weighted GS/WS summary and histograms of finished `trajectories` at trainer version
-    `v_now` (ALGORITHMS.md §6). Raises for a running trajectory or one finished after v_now."""
+    `v_now` (docs/algorithms.md §6). Raises for a running trajectory or one finished after v_now."""
     v_now = _check_int("v_now", v_now, 0)
     generation: list[npt.NDArray[np.int64]] = []
     waiting: list[npt.NDArray[np.int64]] = []
@@ -587,7 +586,7 @@ class TrajectoryPool:
         members, the K_t highest-scored rejected (reason `pace_budget`; score ties: the earlier arrival
         stays), then the batch drawn from the rest in arrival order (FIFO), returned in that order.
 
-        PACE's draw order [R]. ALGORITHMS.md §6 says only "reject the K_t trajectories with the largest
+        PACE's draw order [R]. docs/algorithms.md §6 says only "reject the K_t trajectories with the largest
         S_eff, then draw the training batch"; it does not say in which order. The statement followed is
         the budget's motivation, Little's law, "wait ≈ occupancy / consumption rate". Little's law
         alone holds on average under any order; it holds for each group when groups are drawn in
