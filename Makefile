@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench mutate clean
+.PHONY: demo test test-fast lint format bench mutate clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
+
+# The inner loop: every test not marked slow (under two minutes on 2 cores); `make test` runs them all.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'not slow and not gpu'
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import build_warm_model
 
 from sandbox import Sandbox
+from tests.helpers import build_warm_model
 
 
 def docker_daemon_error() -> str | None:

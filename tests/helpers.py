@@ -1,6 +1,6 @@
 """Helpers shared by test modules: free loopback ports, uvicorn servers on a thread, records of the
 HTTP requests a client sends and of the runs that reach a sandbox's backend, and the short training
-runs on Math-v0 sums (tests/test_train.py, tests/test_ray.py)."""
+runs on Math-v0 sums (tests/pacerl/test_train.py, tests/ray_runtime/test_ray.py)."""
 
 from __future__ import annotations
 
@@ -159,3 +159,27 @@ def small_run(warm: tuple[Path, Path], run_dir: Path, **sections: Any) -> dict[s
 
 def rewards(run_dir: Path) -> list[float]:
     return [row["reward"] for row in read_metrics(run_dir / "metrics.jsonl") if "reward" in row]
+
+
+# Hostile code shared by the sandbox and env suites: an episode that tries to attach to, or take the
+# descriptors of, every other process it can see (the zygote, the host's pipes, later episodes).
+TAKEOVER = r"""
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+canary = 'left by the first episode'
+me, report = os.getpid(), {}
+for pid in [int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != me]:
+    attached = libc.ptrace(16, pid, 0, 0)  # PTRACE_ATTACH
+    report[f'ptrace {pid}'] = attached if attached < 0 else 'ATTACHED'
+    try:
+        pidfd = os.pidfd_open(pid)
+        taken = [fd for fd in range(256) if libc.syscall(438, pidfd, fd, 0) >= 0]  # pidfd_getfd
+        report[f'getfd {pid}'] = taken
+    except OSError as error:
+        report[f'getfd {pid}'] = []
+    try:
+        report[f'fds {pid}'] = os.listdir(f'/proc/{pid}/fd')
+    except OSError:
+        report[f'fds {pid}'] = 'denied'
+print(json.dumps(report))
+"""

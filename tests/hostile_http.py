@@ -1,5 +1,5 @@
-"""Hostile HTTP clients on raw sockets, for the servers' tests (tests/test_sandbox_server.py,
-tests/test_retriever.py). Loopback only; every loop is bounded in count and time. The assertions wait
+"""Hostile HTTP clients on raw sockets, for the servers' tests (tests/sandbox/test_sandbox_server.py,
+tests/envs/test_retriever.py). Loopback only; every loop is bounded in count and time. The assertions wait
 for events (the server answers, the server closes the connection), never for the machine's speed:
 each read has a generous timeout, and hitting it means the server never did what it must."""
 

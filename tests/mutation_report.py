@@ -47,7 +47,7 @@ MUTANT_GLOBS = (
 )
 """mutmut's names of the mutants in scope (what `mutmut run` is given)."""
 
-TESTS = ("tests/test_losses.py", "tests/test_pool.py")
+TESTS = ("tests/trainer/test_losses.py", "tests/trainer/test_pool.py")
 """The tests mutmut runs (`pytest_add_cli_args_test_selection` in pyproject.toml)."""
 
 _GATE = (

@@ -1,0 +1,327 @@
+"""`pacerl train` end to end on CPU: the sync and async loops raise the reward of an SFT-warm-started tiny
+MoE on pacerl/CodeMath-v0; a run killed with SIGKILL resumes without losing or repeating a trajectory;
+bad configs and run directories get one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agents.engine import EmbeddedEngine
+from agents.models import load_model
+from pacerl.config import ConfigError, config_from_dict, load_config
+from pacerl.train import train
+from tests.helpers import ThreadServer, rewards, small_run
+from tests.sglang_standin import create_standin_app
+from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_training_raises_the_reward(warm_model: tuple[Path, Path], tmp_path: Path, mode: str) -> None:
+    evaluation = {"every": 8, "at_start": True, "at_end": True, "tasks": str(warm_model[1])}
+    config = config_from_dict(
+        small_run(warm_model, tmp_path / mode, loop={"mode": mode, "steps": 32}, evaluation=evaluation)
+    )
+    summary = asyncio.run(train(config))
+    # Greedy evaluations on the side: before training, in the background every 8 steps, at the end.
+    evaluations = summary["evaluations"]
+    assert [e["step"] for e in evaluations] == [0, 8, 16, 24, 32]
+    assert [e["version"] for e in evaluations] == sorted(e["version"] for e in evaluations)
+    assert evaluations[-1]["version"] == summary["version"]
+    assert all(0.0 <= e["eval/accuracy"] <= 1.0 for e in evaluations)
+    assert sorted(Path(path).name for path in summary["plots"]) == [
+        "pool.png",
+        "reward.png",
+        "sat.png",
+        "staleness.png",
+    ]
+    assert (tmp_path / mode / "model" / "config.json").is_file()  # the trained model, ready for pacerl eval
+    curve = rewards(tmp_path / mode)
+    assert summary["step"] == 32 and len(curve) == 32
+    # Sampled rewards of 32 episodes are noisy (single steps dip by 0.3), so compare window means.
+    first, last = sum(curve[:5]) / 5, sum(curve[-8:]) / 8
+    assert last > first + 0.15, curve
+    assert summary["version"] >= 24  # most steps updated the weights
+    metrics = [row for row in read_metrics(tmp_path / mode / "metrics.jsonl") if row.get("updated")][-1]
+    for key in ("entropy", "grad_norm", "clip_fraction", "sat_gate_rate", "mismatch", "staleness/mean_gs"):
+        assert key in metrics
+    assert metrics["r3_coverage"] == 1.0  # the engine recorded a route for every generated token
+    assert (tmp_path / mode / "tb").is_dir() and list((tmp_path / mode / "tb").iterdir())
+    if mode == "async":
+        rows = read_metrics(tmp_path / mode / "metrics.jsonl")
+        assert max(row.get("staleness/mean_staleness", 0) for row in rows) > 0  # it really ran off-policy
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_lose_no_trajectory_and_train_none_twice(
+    warm_model: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    config = small_run(
+        warm_model,
+        run_dir,
+        rollout={"group_size": 4},
+        loop={"steps": 10, "batch_groups": 4, "checkpoint_every": 2},
+        filter={"target_groups": 4, "max_concurrent_groups": 6},
+    )
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps(config))
+    command = [sys.executable, "-m", "pacerl", "train"]
+    first = subprocess.Popen([*command, "--config", str(config_file)], cwd=ROOT, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while time.time() < deadline and first.poll() is None:
+        latest = latest_checkpoint(run_dir / "checkpoints")
+        logged = (
+            (run_dir / "batches.jsonl").read_text().count("\n") if (run_dir / "batches.jsonl").exists() else 0
+        )
+        if latest is not None and latest.name >= "step-0000004" and logged >= 5:
+            break
+        time.sleep(0.2)
+    assert first.poll() is None, first.stderr.read() if first.stderr else ""
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    killed_at = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))  # type: ignore[arg-type]
+    running = [
+        member
+        for entry in killed_at.state["in_flight"].values()
+        for member in entry["members"]
+        if member["status"] == "running"
+    ]
+    resumed = subprocess.run([*command, "--resume", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    batches = [json.loads(line) for line in (run_dir / "batches.jsonl").read_text().splitlines()]
+    assert [b["step"] for b in batches] == list(range(1, 11))  # the killed run's extra steps were cut
+    trained = [i for b in batches for i in b["ids"]]
+    assert len(trained) == len(set(trained))  # none twice
+    final = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))  # type: ignore[arg-type]
+    state = final.state
+    assert state["step"] == 10
+    by_group: dict[str, int] = {}
+    for trajectory_id in trained + [i for b in batches for i in b["rejected"]]:
+        by_group[trajectory_id.split("/")[0]] = by_group.get(trajectory_id.split("/")[0], 0) + 1
+    pooled = (
+        {group[0]["group_id"] for group in state["pool"]["groups"]} if "groups" in state["pool"] else set()
+    )
+    pending = set(state["in_flight"]) | pooled | set(state["dropped_groups"])
+    started = {f"g{n:07d}" for n in range(state["cursor"])}
+    # Every group ever started is trained or rejected whole, or still pooled, in flight or dropped.
+    assert {g for g, count in by_group.items() if count == 4} | pending == started
+    assert not set(by_group) & pending
+    assert all(count == 4 for count in by_group.values())
+    # Records caught mid-episode by the checkpoint were resumed under their ids, not restarted.
+    assert state["driver_counts"].get("resumed_from_checkpoint", 0) >= len(running) > 0
+
+
+@pytest.mark.slow
+def test_bad_configs_and_run_dirs_get_one_line_errors(tmp_path: Path, warm_model: tuple[Path, Path]) -> None:
+    with pytest.raises(ConfigError, match=r"unknown key loop\.stepz"):
+        load_config(None, ["loop.stepz=3"])
+    with pytest.raises(ConfigError, match=r"loop\.steps"):
+        load_config(None, ["loop.steps=many"])
+    with pytest.raises(ConfigError, match=r"learner\.temperature"):
+        load_config(None, ["learner.temperature=1.0"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[loop\nsteps = 3")
+    with pytest.raises(ConfigError, match="does not parse"):
+        load_config(bad)
+
+    def pacerl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pacerl", "train", *args], cwd=ROOT, capture_output=True, text=True
+        )
+
+    result = pacerl("model.path=/nonexistent/model", f"run_dir={tmp_path / 'r1'}")
+    assert result.returncode != 0 and "model.path" in result.stderr and len(result.stderr.splitlines()) == 1
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    if os.geteuid() != 0:  # root writes anywhere; the check is for everyone else
+        result = pacerl(f"run_dir={locked / 'run'}")
+        assert result.returncode != 0 and "not writable" in result.stderr
+    result = pacerl("--resume", str(tmp_path / "nowhere"))
+    assert result.returncode != 0 and "no config.json" in result.stderr
+    run_dir = tmp_path / "corrupt"
+    (run_dir / "checkpoints" / "step-0000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step-0000002")
+    (run_dir / "checkpoints" / "step-0000002" / "state.json").write_text("{not json")
+    (run_dir / "config.json").write_text(json.dumps({"model": {"path": str(warm_model[0])}}))
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    result = pacerl("--resume", str(run_dir))
+    assert result.returncode != 0 and "unreadable" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert sorted(p.name for p in run_dir.rglob("*")) == before  # nothing written over the damaged run
+
+
+@pytest.mark.slow
+def test_training_against_an_sglang_server_publishes_through_its_update_endpoint(
+    warm_model: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The SGLang path of `pacerl train`: rollouts over HTTP (the stand-in that speaks SGLang's
+    protocol, see tests/sglang_standin.py), weights published as safetensors and loaded by
+    `/update_weights_from_disk`, routes returned for R3."""
+    model, tokenizer = load_model(warm_model[0])
+    server_engine = EmbeddedEngine(model, tokenizer)
+    app = create_standin_app(server_engine, model_path=str(warm_model[0]), weight_version="0")
+    with ThreadServer(app) as server:
+        config = config_from_dict(
+            small_run(
+                warm_model,
+                tmp_path / "run",
+                engine_backend="sglang",
+                sglang={"url": server.url},
+                loop={"steps": 6, "mode": "async", "sync_interval": 2},
+            )
+        )
+        summary = asyncio.run(train(config))
+        served_version = server_engine.version
+    assert summary["step"] == 6 and summary["version"] >= 4
+    assert served_version == summary["version"] - summary["version"] % 2  # published every 2 updates
+    assert sorted(p.name for p in (tmp_path / "run" / "weights").iterdir()) == [f"version-{served_version}"]
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    updated = [row for row in rows if row["updated"]]
+    assert updated and all(row["r3_coverage"] == 1.0 for row in updated)  # every trained token replayed
+    assert max(row["staleness/mean_staleness"] for row in rows) > 0
+
+
+@pytest.mark.slow
+def test_the_commands_end_to_end(warm_model: tuple[Path, Path], tmp_path: Path) -> None:
+    """`pacerl train` then `pacerl eval` of the model it saved, as a user runs them."""
+    run_dir = tmp_path / "cli-run"
+    settings = small_run(warm_model, run_dir, loop={"steps": 2})
+    config_file = tmp_path / "run.json"
+    config_file.write_text(json.dumps(settings))
+    trained = subprocess.run(
+        [sys.executable, "-m", "pacerl", "train", "--config", str(config_file), "evaluation.at_end=true"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert trained.returncode == 0, trained.stderr
+    assert "step 2" in trained.stderr  # one progress line per step without a terminal
+    report = tmp_path / "eval.json"
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "pacerl", "eval", "--model", str(run_dir / "model"), "--env", "pacerl/Math-v0",
+         "--tasks", str(warm_model[1]), "--n", "2", "--out", str(report),
+         "--episodes", str(tmp_path / "ep.jsonl")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr
+    result = json.loads(report.read_text())
+    assert result["tasks"] == 8 and result["episodes"] == 16 and 0.0 <= result["pass_at_k"]["2"] <= 1.0
+    assert "pass@2" in evaluated.stdout
+    episodes = [json.loads(line) for line in (tmp_path / "ep.jsonl").read_text().splitlines()]
+    assert len(episodes) == 16 and len({e["id"] for e in episodes}) == 16
+    assert sum(e["reward"] for e in episodes) == pytest.approx(
+        16 * result["mean_reward"]
+    )  # the report's episodes
+    assert all(
+        e["segments"][0]["origin"] == "prompt" and e["segments"][1]["origin"] == "model" for e in episodes
+    )
+    assert all(e["segments"][1]["version"] == result["policy_version"] for e in episodes)
+    assert all(e["segments"][1]["text"] for e in episodes)
+
+
+@pytest.mark.slow
+def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:
+    """The default config (fresh tiny model, teacher warm start, async SAT-GSPO + PACE + R3 on
+    CodeMath with the local sandbox) end to end, shrunk to seconds."""
+    run_dir = tmp_path / "default"
+    shrink = [
+        f"run_dir={run_dir}",
+        "sft.steps=4",
+        "loop.steps=2",
+        "loop.batch_groups=2",
+        "rollout.group_size=4",
+        "filter.target_groups=2",
+        "filter.max_concurrent_groups=2",
+        "evaluation.every=1",
+        "evaluation.settings.max_tasks=8",
+    ]
+    trained = subprocess.run(
+        [sys.executable, "-m", "pacerl", "train", *shrink], cwd=ROOT, capture_output=True, text=True
+    )
+    assert trained.returncode == 0, trained.stderr
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["env"]["id"] == "pacerl/CodeMath-v0" and saved["sft"]["style"] == "auto"
+    assert "SFT warm start (teacher, 4 steps)" in trained.stderr
+    assert (run_dir / "warm_start" / "config.json").is_file()
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows if "eval/accuracy" in row] == [0, 1, 2]
+    assert sum(row.get("trajectories", 0) for row in rows if "reward" in row) >= 16
+    assert (run_dir / "plots" / "reward.png").is_file() and (run_dir / "model" / "config.json").is_file()
+    assert "sft (teacher) step 1/4  loss" in trained.stderr  # the warm start shows its progress
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 2 and [e["step"] for e in summary["evaluations"]] == [0, 1, 2]
+    first, last = summary["evaluations"][0]["eval/accuracy"], summary["evaluations"][-1]["eval/accuracy"]
+    assert f"validation accuracy {first:.3f} (step 0) -> {last:.3f} (step 2)" in trained.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_warm_start_exits_cleanly(tmp_path: Path) -> None:
+    """SFT runs in a worker thread: Ctrl-C must end it after the current step, not hang until it is done,
+    and leave a run directory that a new run may use."""
+    run_dir = tmp_path / "interrupted"
+    command = [sys.executable, "-m", "pacerl", "train", f"run_dir={run_dir}", "sft.steps=100000"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:  # blocks until the first SFT step is logged
+        seen.append(line)
+        if "sft (teacher) step 1/100000" in line:
+            break
+    assert process.poll() is None, "".join(seen)
+    process.send_signal(signal.SIGINT)
+    _, rest = process.communicate(timeout=60)
+    assert process.returncode == 130, rest
+    assert "interrupted during the SFT warm start at step" in rest and "Traceback" not in rest
+    assert (run_dir / "config.json").is_file() and not (run_dir / "checkpoints").exists()
+
+
+def test_the_warm_start_style_follows_the_env() -> None:
+    spec = config_from_dict({}).sft
+    assert spec.resolved("pacerl/CodeMath-v0") == ("teacher", 300)
+    assert spec.resolved("pacerl/Math-v0") == ("clean", 75)
+    assert spec.resolved("pacerl/Search-v0") == ("clean", 300)  # copying out of passages is learnt late
+    assert config_from_dict({"sft": {"style": "clean", "steps": 9}}).sft.resolved("pacerl/CodeMath-v0") == (
+        "clean",
+        9,
+    )
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_training_checkpoints_and_resume_finishes(
+    warm_model: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The first Ctrl-C ends the run after its current step with a checkpoint and says how to go on."""
+    run_dir = tmp_path / "stopped"
+    config_file = tmp_path / "run.json"
+    config_file.write_text(json.dumps(small_run(warm_model, run_dir, loop={"steps": 1000})))
+    command = [sys.executable, "-m", "pacerl", "train", "--config", str(config_file)]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:  # blocks until the second step is logged
+        seen.append(line)
+        if "train step 2/1000" in line:
+            break
+    assert process.poll() is None, "".join(seen)
+    process.send_signal(signal.SIGINT)
+    out, rest = process.communicate(timeout=120)
+    assert process.returncode == 0, rest
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and 2 <= summary["step"] < 1000
+    assert f"continue with: pacerl train --resume {run_dir}" in out
+    assert load_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state["step"] == summary["step"]  # type: ignore[arg-type]

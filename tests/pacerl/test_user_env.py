@@ -1,0 +1,146 @@
+"""A user's env in their own module, outside the package, registered as `module:Name-v0`: the CLI
+evaluates it and trains on it with no edit to pacerl, and what it lacks (demonstrations, a validation
+set, default tasks) is either done without or named in one clear line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from agents.models import build_tiny_moe, save_model
+from agents.tokenizer import tiny_tokenizer
+from envs.registry import env_class
+from pacerl.assembly import env_factory
+from pacerl.config import ConfigError, config_from_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+USER_MODULE = '''
+"""A word-reversal quiz with a host-side tool: a user's env, registered when this module is imported."""
+import gymnasium
+
+from envs import Task, ToolEnv, tool
+from envs.rewards import Reward, exact_match
+
+
+@tool
+def reverse(text: str) -> str:
+    """Reverse a piece of text.
+
+    Args:
+        text: The text to reverse.
+    """
+    return text[::-1]
+
+
+WORDS = ["abc", "pacerl", "tool", "quiz"]
+TASKS = [Task(f"w{i}", f"Reverse {word}", (word[::-1],)) for i, word in enumerate(WORDS)]
+
+
+class ReverseQuizEnv(ToolEnv):
+    tool_names = ("reverse",)
+
+    def __init__(self, tasks=TASKS, config=None, render_mode=None):
+        super().__init__(tasks, config, render_mode)
+
+    def initial_messages(self, task):
+        return self.pose("Use the reverse tool, then answer with the reversed word.", task.question)
+
+    def score(self, task, final_message):
+        correct = exact_match(final_message, task.answers)
+        return Reward(total=correct, correctness=correct, format=1.0)
+
+
+class NoTasksEnv(ReverseQuizEnv):
+    def __init__(self, tasks, config=None, render_mode=None):
+        super().__init__(tasks, config, render_mode)
+
+
+gymnasium.register(id="quiz/ReverseQuiz-v0", entry_point=ReverseQuizEnv)
+gymnasium.register(id="quiz/NoTasks-v0", entry_point=NoTasksEnv)
+'''
+
+ENV_ID = "user_quiz:quiz/ReverseQuiz-v0"
+
+
+@pytest.fixture(scope="module")
+def user_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding `user_quiz.py`, put on sys.path here and on PYTHONPATH for the CLI."""
+    root = tmp_path_factory.mktemp("user")
+    (root / "user_quiz.py").write_text(textwrap.dedent(USER_MODULE))
+    (root / "quiz.jsonl").write_text(
+        "".join(json.dumps({"id": f"q{i}", "question": f"Reverse {w}", "answer": w[::-1]}) + "\n"
+                for i, w in enumerate(["up", "on"]))
+    )  # fmt: skip
+    sys.path.insert(0, str(root))
+    return root
+
+
+def cli(user_module: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user_module), str(ROOT)])}
+    return subprocess.run(
+        [sys.executable, "-m", "pacerl", *arguments],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_the_module_form_resolves_a_users_env_and_names_what_is_wrong(user_module: Path) -> None:
+    cls = env_class(ENV_ID)
+    assert cls.__name__ == "ReverseQuizEnv" and cls.warm_start_steps == {} and cls.validation_tasks is None
+    env = env_factory(config_from_dict({"env": {"id": ENV_ID}}))()
+    try:
+        observation, _ = env.reset(seed=0)
+        assert observation[-1]["content"].startswith("Reverse ")
+        call = '<tool_call>{"name": "reverse", "arguments": {"text": "abc"}}</tool_call>'
+        (response,), _, terminated, _, info = env.step(call)
+        assert response["content"] == "cba" and not terminated and info["tool_calls"] == 1
+    finally:
+        env.close()
+    with pytest.raises(ConfigError, match="has no default tasks: name a task file"):
+        env_factory(config_from_dict({"env": {"id": "user_quiz:quiz/NoTasks-v0"}}))
+    with pytest.raises(ConfigError, match=r"env 'quiz/Nope-v0' is not registered .*quiz/ReverseQuiz-v0"):
+        env_factory(config_from_dict({"env": {"id": "user_quiz:quiz/Nope-v0"}}))
+    with pytest.raises(ValueError, match="writes no demonstrations"):
+        config_from_dict({"sft": {"style": "clean"}}).sft.resolved(ENV_ID)
+    assert config_from_dict({}).sft.resolved(ENV_ID) == ("", 0)  # auto: no warm start
+
+
+@pytest.mark.slow
+def test_the_cli_evaluates_and_trains_a_users_env(user_module: Path, tmp_path: Path) -> None:
+    tokenizer = tiny_tokenizer()
+    model = save_model(build_tiny_moe(tokenizer=tokenizer), tokenizer, tmp_path / "model")
+    tasks = str(user_module / "quiz.jsonl")
+    missing = cli(user_module, "eval", "--model", str(model), "--env", ENV_ID)
+    assert missing.returncode != 0 and "ships no validation set; name a task file" in missing.stderr
+    report = tmp_path / "eval.json"
+    evaluated = cli(
+        user_module, "eval", "--model", str(model), "--env", ENV_ID, "--tasks", tasks, "--n", "2",
+        "--out", str(report),
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads(report.read_text())["episodes"] == 4
+    run_dir = tmp_path / "run"
+    settings = [
+        f"env.id={ENV_ID}", f"run_dir={run_dir}", "loop.steps=2", "loop.batch_groups=2",
+        "rollout.group_size=2", "filter.target_groups=2", "filter.max_concurrent_groups=2",
+        "evaluation.every=0", "evaluation.at_start=false",
+    ]  # fmt: skip
+    unevaluated = cli(user_module, "train", *settings)
+    assert unevaluated.returncode != 0 and "evaluation.tasks" in unevaluated.stderr
+    assert not run_dir.exists()  # refused before anything was written
+    trained = cli(user_module, "train", *settings, f"evaluation.tasks={tasks}")
+    assert trained.returncode == 0, trained.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 2 and summary["evaluations"][-1]["step"] == 2
+    assert 0.0 <= summary["evaluations"][-1]["eval/accuracy"] <= 1.0
+    assert not (run_dir / "warm_start").exists()  # nothing to demonstrate: no warm start
+    assert (run_dir / "model" / "config.json").exists()

@@ -1,0 +1,276 @@
+"""The learner's arithmetic across micro-batches and updates: the accumulated gradient does not depend on
+`micro_batch_size` for any loss (SAT, KL and entropy included), and with several updates per batch the
+proximal policy is the one before the first update, so the clip and SAT act on the later ones."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from agents.trajectory import Status, Trajectory
+from pacerl.config import ConfigError, load_config
+from tests.trainer.test_learner import small_model
+from trainer.learner import LOSSES, Learner, LearnerConfig, LossConfig
+
+RAGGED = [(40, 3, 25, 4), (17, 17, 9, 31), (2, 40, 3, 25), (4, 17, 9, 31), (31, 2, 2, 40), (9, 3, 17, 25)]
+"""Six groups of four responses whose lengths differ by up to 20× within and across groups."""
+
+
+@functools.cache
+def ragged_groups_of_small_model(seed: int = 0, far: float = 0.0) -> list[list[Trajectory]]:
+    """`ragged_groups` of `small_model()` (the same weights every call), built once per module."""
+    return ragged_groups(small_model(), seed=seed, far=far)
+
+
+def ragged_groups(model: torch.nn.Module, *, seed: int = 0, far: float = 0.0) -> list[list[Trajectory]]:
+    """Groups of RAGGED lengths with mixed rewards and behaviour log-probs near the model's own
+    (noise 0.3, plus `far` on every seventh token: stale outliers for SAT to gate)."""
+    generator = torch.Generator().manual_seed(seed)
+    scorer = Learner(model)
+    groups: list[list[Trajectory]] = []
+    for g, lengths in enumerate(RAGGED):
+        group = []
+        for m, length in enumerate(lengths):
+            prompt = [5 + (g + m) % 7, 6, 7]
+            response = torch.randint(20, 120, (length,), generator=generator).tolist()
+            draft = Trajectory.start(f"{g}/{m}", f"g{g}", "task", prompt)
+            draft.append_model(
+                response, [-1.0] * length, version=0, started_at=0.0, ended_at=0.0, finish_reason="stop"
+            )
+            batch, own, _ = scorer.logprobs([draft])
+            noise = 0.3 * torch.randn(length, generator=generator)
+            noise[::7] += far
+            behaviour = (own[0][batch.loss_mask[0]] + noise).clamp_max(-1e-3).tolist()
+            trajectory = Trajectory.start(f"{g}/{m}", f"g{g}", "task", prompt)
+            trajectory.append_model(
+                response, behaviour, version=0, started_at=0.0, ended_at=0.0, finish_reason="stop"
+            )
+            reward = float((g + m) % 3 == 0) if m < 3 else float(g % 2)
+            trajectory.finish(
+                Status.COMPLETED, reason="", reward=reward, completed_version=0, completed_at=0.0
+            )
+            group.append(trajectory)
+        groups.append(group)
+    return groups
+
+
+def step_gradients(
+    learner: Learner, groups: list[list[Trajectory]]
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """The gradient of each update of one `train_step` (the weights still move between updates)."""
+    recorded: list[torch.Tensor] = []
+    step = learner.optimizer.step
+
+    def recording_step(*args: object, **kwargs: object) -> None:
+        recorded.append(
+            torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None])
+        )
+        step()
+
+    learner.optimizer.step = recording_step  # type: ignore[method-assign]
+    result = learner.train_step(groups)
+    assert result.updated, result.skipped
+    return recorded, result.metrics
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+CASES = [
+    (loss, sat, aggregation)
+    for loss in LOSSES
+    for sat in (True, False)
+    for aggregation in ("token", "sequence")
+    if not (loss == "gmc" and sat) and (aggregation == "token" or loss in ("grpo", "decoupled_ppo"))
+]
+
+
+@pytest.mark.parametrize("regularised", [False, True], ids=["plain", "kl+entropy"])
+@pytest.mark.parametrize(
+    ("loss", "sat", "aggregation"),
+    CASES,
+    ids=[f"{loss}-{'sat' if sat else 'nosat'}-{aggregation}" for loss, sat, aggregation in CASES],
+)
+def test_the_gradient_does_not_depend_on_the_micro_batch_size(
+    loss: str, sat: bool, aggregation: str, regularised: bool
+) -> None:
+    model = small_model()
+    groups = ragged_groups_of_small_model(far=1.5)
+    coefficients = {"kl_coef": 0.05, "entropy_coef": 0.01} if regularised else {}
+    reference_model = copy.deepcopy(model)
+    with torch.no_grad():  # a reference away from the policy, so the KL term has a gradient
+        for parameter in reference_model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    gradients, metrics = {}, {}
+    for size in (64, 1, 5):
+        config = LossConfig(name=loss, sat=sat, aggregation=aggregation, **coefficients)  # type: ignore[arg-type]
+        learner = Learner(copy.deepcopy(model), LearnerConfig(loss=config, micro_batch_size=size))
+        if learner.reference is not None:
+            learner.reference.load_state_dict(reference_model.state_dict())
+        (gradients[size],), metrics[size] = step_gradients(learner, groups)
+    for size in (1, 5):
+        assert relative(gradients[size], gradients[64]) <= 1e-4, size
+        for name in ("loss", "sat_gate_rate", "clip_fraction", "entropy", "kl"):
+            assert metrics[size][name] == pytest.approx(metrics[64][name], rel=1e-4, abs=1e-7), (size, name)
+    if sat:  # the gate acted on the batch's quantile: about 1 - 0.9 of the entries are gated
+        assert 0.05 <= metrics[64]["sat_gate_rate"] <= 0.15
+
+
+def test_the_sat_quantile_is_the_batchs_not_each_micro_batchs() -> None:
+    """One group whose staleness is far above the others': gated as a whole batch's outlier, while a
+    per-micro-batch quantile would gate a tenth of every micro-batch."""
+    model = small_model()
+    groups = ragged_groups_of_small_model()
+    stale = ragged_groups_of_small_model(seed=1, far=3.0)[0]
+    batch = [*groups, stale]
+    config = LossConfig(name="gspo", sat=True)
+    gated = {}
+    for size in (100, 4):
+        learner = Learner(copy.deepcopy(model), LearnerConfig(loss=config, micro_batch_size=size))
+        _, metrics = step_gradients(learner, batch)
+        gated[size] = metrics["sat_gate_rate"]
+    assert gated[4] == pytest.approx(gated[100], abs=1e-6)
+    assert gated[100] == pytest.approx(3 / 28, abs=1e-6)  # per micro-batch it would be 7 / 28
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LossConfig(name="decoupled_ppo", sat=False),
+        LossConfig(name="grpo", sat=False, ratio_anchor="recompute"),
+        LossConfig(name="gspo", sat=False, ratio_anchor="recompute"),
+    ],
+    ids=["decoupled_ppo", "grpo-recompute", "gspo-recompute"],
+)
+def test_the_clip_acts_on_the_second_and_later_updates(config: LossConfig) -> None:
+    model = small_model()
+    groups = ragged_groups_of_small_model()
+    updates, metrics = {}, {}
+    for eps in (0.2, 0.01):
+        loss = LossConfig(**{**config.__dict__, "eps_low": eps, "eps_high": eps})
+        learner = Learner(copy.deepcopy(model), LearnerConfig(loss=loss, minibatches=3, epochs=2, lr=1e-2))
+        updates[eps], metrics[eps] = step_gradients(learner, groups)
+        assert learner.version == 1 and metrics[eps]["updates"] == 6
+    # The first update is at the proximal weights (ratio 1): the clip cannot act there; later it does.
+    assert torch.equal(updates[0.2][0], updates[0.01][0])
+    for later in range(1, 6):
+        assert relative(updates[0.01][later], updates[0.2][later]) > 1e-3, later
+    assert metrics[0.01]["clip_fraction"] > metrics[0.2]["clip_fraction"] >= 0
+    assert metrics[0.01]["clip_fraction"] > 0.05
+
+
+def test_sat_acts_on_the_later_updates_of_decoupled_ppo() -> None:
+    model = small_model()
+    groups = ragged_groups_of_small_model(far=2.0)
+    updates, metrics = {}, {}
+    for sat in (False, True):
+        config = LearnerConfig(
+            loss=LossConfig(name="decoupled_ppo", sat=sat), minibatches=2, epochs=2, lr=1e-2
+        )
+        learner = Learner(copy.deepcopy(model), config)
+        updates[sat], metrics[sat] = step_gradients(learner, groups)
+    assert torch.equal(updates[True][0], updates[False][0])  # ratio 1 at the proximal weights
+    assert all(relative(updates[True][i], updates[False][i]) > 1e-4 for i in range(1, 4))
+    assert metrics[False]["sat_active_rate"] == 0 and metrics[False]["sat_gate_rate"] == 0
+    assert metrics[True]["sat_active_rate"] > 0 and metrics[True]["sat_gate_rate"] > 0
+
+
+def test_one_update_spends_no_proximal_pass_and_versions_count_batches() -> None:
+    model = small_model()
+    groups = ragged_groups_of_small_model()
+    learner = Learner(copy.deepcopy(model), LearnerConfig(loss=LossConfig(name="decoupled_ppo")))
+    forwards = 0
+
+    def count(*_: object) -> None:
+        nonlocal forwards
+        forwards += 1
+
+    handle = learner.model.register_forward_hook(count)
+    try:
+        result = learner.train_step(groups)
+    finally:
+        handle.remove()
+    assert result.metrics["updates"] == 1 and learner.version == 1
+    assert forwards == 1  # 24 sequences, one micro-batch, no proximal or quantile pass
+    # With the decoupled ratio identically 1 in a single update, nothing can be clipped.
+    assert result.metrics["clip_fraction"] == 0
+    several = Learner(copy.deepcopy(model), LearnerConfig(minibatches=4, epochs=3))
+    result = several.train_step(groups)
+    assert result.metrics["updates"] == 12 and several.version == 1
+
+
+def test_the_shuffle_is_seeded_and_splits_whole_groups() -> None:
+    model = small_model()
+    groups = ragged_groups_of_small_model()
+    config = LearnerConfig(minibatches=4, epochs=2, shuffle_seed=3)
+    first, second = Learner(copy.deepcopy(model), config), Learner(copy.deepcopy(model), config)
+    plan = first._update_plan(first._prepare(groups))
+    assert plan == second._update_plan(second._prepare(groups))
+    prepared = first._prepare(groups)
+    for epoch in (0, 1):
+        parts = [members for e, members in plan if e == epoch]
+        assert len(parts) == 4
+        assert sorted(i for members in parts for i in members) == list(range(len(prepared.trajectories)))
+        for members in parts:  # whole groups
+            kept = {prepared.group_index[i] for i in members}
+            assert sum(prepared.group_index.count(g) for g in kept) == len(members)
+    orders = [
+        [prepared.group_index[i] for members in [m for e, m in plan if e == epoch] for i in members]
+        for epoch in (0, 1)
+    ]
+    assert orders[0] != orders[1]  # each epoch reshuffles
+    few = Learner(copy.deepcopy(model), LearnerConfig(minibatches=50))
+    assert len(few._update_plan(few._prepare(groups))) == 6  # no more updates than groups
+
+
+def test_a_skipped_update_leaves_the_others() -> None:
+    model = small_model()
+    groups = ragged_groups_of_small_model()
+    learner = Learner(copy.deepcopy(model), LearnerConfig(minibatches=2))
+    calls = 0
+    original = torch.nn.utils.clip_grad_norm_
+
+    def poisoned(parameters: object, max_norm: float) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        norm = original(parameters, max_norm)  # type: ignore[arg-type]
+        return norm * float("nan") if calls == 1 else norm
+
+    torch.nn.utils.clip_grad_norm_ = poisoned  # type: ignore[assignment]
+    try:
+        result = learner.train_step(groups)
+    finally:
+        torch.nn.utils.clip_grad_norm_ = original
+    assert result.updated and learner.version == 1
+    assert result.metrics["updates"] == 1 and result.metrics["skipped_updates"] == 1
+    assert learner.counts["nonfinite_grad"] == 1
+
+
+def test_training_refuses_truncated_sampling_and_takes_the_update_plan_from_the_config() -> None:
+    for override in ("rollout.sampling.top_p=0.5", "rollout.sampling.top_k=20"):
+        with pytest.raises(ConfigError, match="learner scores the full softmax"):
+            load_config(None, [override])
+    overrides = ["learner.minibatches=4", "learner.epochs=2", "learner.advantage_std=unbiased"]
+    config = load_config(None, overrides)
+    assert (config.learner.minibatches, config.learner.epochs) == (4, 2)
+    assert config.learner.advantage_std == "unbiased"
+    with pytest.raises(ConfigError, match="minibatches"):
+        load_config(None, ["learner.minibatches=0"])
+
+
+def test_a_max_age_below_the_publication_lag_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"filter\.max_age \(0\) must be >= loop\.sync_interval - 1 \(2\)"):
+        load_config(None, ["filter.name=max_age", "filter.max_age=0", "loop.sync_interval=3"])
+    assert load_config(None, ["filter.name=max_age", "filter.max_age=2", "loop.sync_interval=3"])
+
+
+def test_every_loss_name_has_one_registered_function() -> None:
+    from trainer.learner import POLICY_LOSSES
+
+    assert tuple(POLICY_LOSSES) == LOSSES == ("gspo", "gspo_token", "grpo", "decoupled_ppo", "gmc")
+    with pytest.raises(ValueError, match="loss name must be one of"):
+        LossConfig(name="ppo")  # type: ignore[arg-type]

@@ -1,0 +1,213 @@
+"""The async loop (`trainer.loop.train_async`) under skipped steps, with every staleness filter: it never
+waits for a batch that cannot come. A skipped step (equal rewards, non-finite values) consumes its batch
+without moving the policy version; admission must count it as consumed all the same. Where no batch can
+ever form, the run ends with a one-line error naming the cause instead of waiting in silence.
+
+The learner, engine and rollout driver are small fakes, so each run takes milliseconds. A hang is turned
+into a test failure by a generous bound on the wait (`HANG_S`); no assertion depends on elapsed time."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agents.trajectory import Status, Trajectory
+from envs import Task
+from tests.scripted import ScriptedEngineBase
+from trainer.learner import StepResult
+from trainer.loop import LoopConfig, Run, train_async
+from trainer.pool import FILTER_NAMES, FilterConfig, FilterName, TrajectoryPool
+
+HANG_S = 60.0
+"""Bound on a run of a few steps that finishes in milliseconds: reaching it means the loop hung."""
+
+GROUP_SIZE = 2
+BATCH_GROUPS = 2
+STEPS = 6
+
+
+class FakeEngine(ScriptedEngineBase):
+    """Only the version: publishing moves it."""
+
+
+class FakeLearner:
+    """Skips the steps listed in `skips` (1-based, like `Run.step`); every other step is an update, so
+    the version moves by exactly one on an updated step and not at all on a skipped one. Records the
+    token ages (version at training − token version) of every batch."""
+
+    def __init__(self, skips: Sequence[int] = ()) -> None:
+        self.version = 0
+        self.counts: Counter[str] = Counter()
+        self.skips = set(skips)
+        self.calls = 0
+        self.ages: list[int] = []
+        self.batch_sizes: list[int] = []
+        self._lock = threading.Lock()
+
+    def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> StepResult:
+        with self._lock:
+            self.calls += 1
+            self.batch_sizes.append(len(groups))
+            members = [t for group in groups for t in group]
+            self.ages += [self.version - v for t in members for v in t.versions]
+            ids = tuple(t.id for t in members)
+            if self.calls in self.skips:
+                self.counts["equal_rewards"] += 1
+                return StepResult(False, "equal_rewards", {"reward": 0.0}, ids)
+            self.version += 1
+            return StepResult(True, "", {"reward": 1.0}, ids)
+
+    def prefix_drift(self, trajectories: Sequence[Trajectory]) -> list[float]:
+        return [0.1 * (i % 3) for i in range(len(trajectories))]
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version = int(state["version"])
+
+
+class FakeDriver:
+    """Each group takes `ticks` turns of the event loop; its tokens carry the engine's version at the
+    start, so groups launched in order finish in order. Records every launch."""
+
+    def __init__(self, engine: FakeEngine, ticks: int = 3) -> None:
+        self.engine = engine
+        self.ticks = ticks
+        self.counts: Counter[str] = Counter()
+        self.launched: list[str] = []
+
+    async def rollout_group(
+        self, task: Task, group_id: str | None = None, resume: Mapping[str, Trajectory] | None = None
+    ) -> list[Trajectory]:
+        assert group_id is not None
+        self.launched.append(group_id)
+        version = self.engine.version
+        for _ in range(self.ticks):
+            await asyncio.sleep(0)
+        members = []
+        for i in range(GROUP_SIZE):
+            t = Trajectory.start(f"{group_id}/{i}", group_id, task.id, [1, 2])
+            t.append_model(
+                [5, 6], [-0.5, -0.5], version=version, started_at=0.0, ended_at=1.0, finish_reason="stop"
+            )
+            t.finish(
+                Status.COMPLETED,
+                reason="",
+                reward=float(i),
+                completed_version=self.engine.version,
+                completed_at=1.0,
+            )
+            members.append(t)
+        return members
+
+    def in_flight(self) -> dict[str, list[Trajectory]]:
+        return {}
+
+
+def make_run(tmp_path: Path, filter_config: FilterConfig, learner: FakeLearner, **loop: Any) -> Run:
+    engine = FakeEngine()
+    return Run(
+        learner=learner,  # type: ignore[arg-type]
+        engine=engine,  # type: ignore[arg-type]
+        driver=FakeDriver(engine),  # type: ignore[arg-type]
+        tasks=[Task(id=f"t{i}", question=f"q{i}", answers=("1",)) for i in range(5)],
+        pool=TrajectoryPool(filter_config),
+        config=LoopConfig(
+            mode="async", steps=STEPS, batch_groups=BATCH_GROUPS, **{"sync_interval": 1, **loop}
+        ),
+        run_dir=tmp_path,
+    )
+
+
+async def run_bounded(run: Run) -> dict[str, Any]:
+    """`train_async(run)`, failing the test (with the loop's state) if it does not end within HANG_S.
+    A hung loop is asked to stop (`request_stop`, which the waiting trainer honours) rather than only
+    cancelled: a loop spinning on rejections can lose a cancellation in a nested `wait_for`."""
+    job = asyncio.ensure_future(train_async(run))
+    try:
+        done, _ = await asyncio.wait({job}, timeout=HANG_S)
+        if not done:
+            state = (
+                f"the loop hung at step {run.step}: {len(run.pool)} groups pooled, "
+                f"{len(run._running)} in flight, learner version {run.learner.version}"
+            )
+            run.request_stop()
+            await asyncio.wait({job}, timeout=HANG_S)
+            job.cancel()
+            pytest.fail(state)
+        return job.result()
+    finally:
+        run.close_metrics()
+
+
+def filter_config(name: FilterName, eta: int) -> FilterConfig:
+    return FilterConfig(
+        name=name, max_offpolicyness=eta, target_groups=BATCH_GROUPS, max_concurrent_groups=4, max_age=4
+    )
+
+
+CASES = [(name, eta) for name in FILTER_NAMES for eta in ((0, 1) if name == "admission" else (0,))]
+SKIPS = [(1,), (1, 2), (2, 3, 4), (1, 2, 3, 4, 5, 6)]
+
+
+@pytest.mark.parametrize("skips", SKIPS, ids=lambda s: "skip" + "-".join(map(str, s)))
+@pytest.mark.parametrize(
+    ("name", "eta"), CASES, ids=[f"{n}-eta{e}" if n == "admission" else n for n, e in CASES]
+)
+async def test_every_filter_finishes_a_run_with_skipped_steps(
+    tmp_path: Path, name: FilterName, eta: int, skips: tuple[int, ...]
+) -> None:
+    learner = FakeLearner(skips)
+    run = make_run(tmp_path, filter_config(name, eta), learner)
+    summary = await run_bounded(run)
+    assert summary["step"] == STEPS and learner.calls == STEPS
+    assert summary["version"] == learner.version == STEPS - len(set(skips) & set(range(1, STEPS + 1)))
+    assert learner.batch_sizes == [BATCH_GROUPS] * STEPS
+    if name == "admission":
+        # AReaL's bound still holds with steps counted (a version moves at most once per step)
+        assert max(learner.ages) <= eta, learner.ages
+
+
+async def test_a_blocked_producer_ends_the_run_with_one_line(tmp_path: Path) -> None:
+    """The producer blocked for good: an `admission` pool that counted 12 accepted groups in 3 steps of
+    4 groups, resumed into a run of 2-group batches (η = 0 allows (0 + 3 + 1)·2 = 8), with nothing
+    pooled or in flight. The run ends with an error naming the cause instead of waiting."""
+    learner = FakeLearner()
+    run = make_run(tmp_path, filter_config("admission", 0), learner)
+    run.step, run.pool.accepted_groups = 3, 12  # what `Run.restore` would set
+    with pytest.raises(RuntimeError) as raised:
+        await run_bounded(run)
+    message = str(raised.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith("no batch can ever form at step 4: the pool holds 0 of the 2 groups")
+    assert "admission filter admits none" in message and "8 groups after 3 steps and 12" in message
+    assert run.driver.launched == [] and learner.calls == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("skips", [(), (1,)], ids=["no-skip", "skip1"])
+async def test_max_age_below_the_publication_lag_ends_the_run_with_one_line(
+    tmp_path: Path, skips: tuple[int, ...]
+) -> None:
+    """max_age 0 with weights published every 2 updates: after the first update the engine serves
+    version 0 to a trainer at version 1, so every group is rejected for good."""
+    learner = FakeLearner(skips)
+    run = make_run(tmp_path, FilterConfig(name="max_age", max_age=0), learner, sync_interval=2)
+    with pytest.raises(RuntimeError) as raised:
+        await run_bounded(run)
+    message = str(raised.value)
+    assert len(message.splitlines()) == 1
+    assert "max_age=0 rejects every group" in message and "sync_interval=2" in message
+    updated_at = len(skips) + 1  # the first step that updates
+    assert message.startswith(f"no batch can ever form at step {updated_at + 1}:")
+    assert run.step == learner.calls == updated_at and learner.version == 1
