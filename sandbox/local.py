@@ -31,6 +31,7 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -127,10 +128,30 @@ class LocalOptions:
                         f"ro_binds: {target} would be hidden by the sandbox's own {top}; bind it elsewhere "
                         f"with a (host path, sandbox path) pair, e.g. ({source!r}, '/opt/...')"
                     )
+            _check_reachable(source)
 
 
 _SANDBOX_MOUNTS = (WORK_DIR, "/tmp", "/dev", "/proc")
 """Where each sandbox mounts its own file systems, over anything bound there."""
+
+
+def _check_reachable(source: str) -> None:
+    """Refuse a bind the sandbox could not mount: as root, sandboxes start as unprivileged pool uids,
+    which reach a host path only through folders every user may enter (bubblewrap resolves the source
+    as that uid). A 0700 folder above it (a private home, a checkout made by mktemp) would otherwise
+    surface as a sandbox that fails to start."""
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(f"ro_binds: {source} does not exist on the host")
+    if os.geteuid() != 0:
+        return  # the sandbox runs as this user, who reaches what they named
+    for folder in [*reversed(path.parents), path if path.is_dir() else path.parent]:
+        if not folder.stat().st_mode & stat.S_IXOTH:
+            raise ValueError(
+                f"ro_binds: {source} cannot be reached by the sandbox's unprivileged user: {folder} has mode "
+                f"{stat.S_IMODE(folder.stat().st_mode):04o} (other users may not enter it); bind a copy from "
+                "a folder others can enter, or chmod o+x the folders above it"
+            )
 
 
 def _bind_pairs(binds: tuple[str | tuple[str, str], ...]) -> list[tuple[str, str]]:

@@ -5,9 +5,14 @@ run inside the real local sandbox (bubblewrap, else unshare) over stdio."""
 from __future__ import annotations
 
 import asyncio
+import atexit
+import os
+import re
+import shutil
 import sys
-import sysconfig
+import tempfile
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -22,11 +27,54 @@ from tests.envs import mcp_server_fixture
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "mcp_server_fixture.py"
 SANDBOX_PYTHON = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
-# The server needs the `mcp` package: this venv's site-packages, bound read-only at a path of its own
-# (the venv may sit under /work or /tmp, which the sandbox's own mounts hide).
-OPTIONS = {
-    "ro_binds": ((sysconfig.get_paths()["purelib"], "/opt/site"), (str(FIXTURE), "/opt/mcp/server.py"))
-}
+
+
+def _distributions(root: str) -> list[metadata.Distribution]:
+    """`root` and every distribution it requires, recursively (those installed here)."""
+    seen: dict[str, metadata.Distribution] = {}
+    pending = [root]
+    while pending:
+        name = pending.pop().lower().replace("_", "-")
+        if name in seen:
+            continue
+        try:
+            seen[name] = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        for requirement in seen[name].requires or []:
+            if "extra ==" not in requirement:
+                pending.append(re.split(r"[^A-Za-z0-9._-]", requirement.strip(), maxsplit=1)[0])
+    return list(seen.values())
+
+
+def _staged_server() -> Path:
+    """The server and the `mcp` package with its dependencies, copied (hard links where the file system
+    allows) into a folder every user may enter: the sandbox runs as an unprivileged uid, which cannot
+    reach this checkout's venv when a folder above it is private (a checkout made by mktemp is 0700)."""
+    stage = Path(tempfile.mkdtemp(prefix="pacerl-mcp-test-"))
+    stage.chmod(0o755)
+    atexit.register(shutil.rmtree, stage, True)
+    site = stage / "site"
+    for distribution in _distributions("mcp"):
+        for file in distribution.files or []:
+            source = Path(str(distribution.locate_file(file))).resolve()
+            target = (site / file).resolve()
+            if not source.is_file() or not target.is_relative_to(site):
+                continue  # scripts and data outside site-packages
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source, target)
+            except OSError:
+                shutil.copy2(source, target)
+    for folder in [stage, *site.rglob("*")]:
+        folder.chmod(0o755 if folder.is_dir() else 0o644)
+    shutil.copy2(FIXTURE, stage / "server.py")
+    (stage / "server.py").chmod(0o644)
+    return stage
+
+
+STAGE = _staged_server()
+OPTIONS = {"ro_binds": ((str(STAGE / "site"), "/opt/site"), (str(STAGE / "server.py"), "/opt/mcp/server.py"))}
 COMMAND = [SANDBOX_PYTHON, "/opt/mcp/server.py"]
 ENV = {"PYTHONPATH": "/opt/site"}
 LIMITS = Limits(timeout_s=10, memory_mb=512)
@@ -245,10 +293,19 @@ def test_an_env_offering_the_tools_completes_an_episode(tools: dict[str, McpTool
 
 
 def test_read_only_binds_map_host_paths_and_refuse_hidden_targets() -> None:
-    assert LocalOptions(ro_binds=("/opt/x", ("/work/venv", "/opt/venv"))).ro_binds[1] == (
-        "/work/venv",
+    assert LocalOptions(ro_binds=("/usr/share", ("/usr/lib", "/opt/venv"))).ro_binds[1] == (
+        "/usr/lib",
         "/opt/venv",
     )
+    with pytest.raises(ValueError, match="/srv/nowhere does not exist on the host"):
+        LocalOptions(ro_binds=(("/srv/nowhere", "/opt/venv"),))
+    private = Path(tempfile.mkdtemp())  # 0700, as mktemp makes it
+    (private / "site").mkdir(mode=0o755)
+    try:
+        with pytest.raises(ValueError, match=rf"{private} has mode 0700 \(other users may not enter it\)"):
+            LocalOptions(ro_binds=((str(private / "site"), "/opt/site"),))
+    finally:
+        shutil.rmtree(private)
     for hidden in (
         "/work/venv",
         ("/srv/venv", "/tmp/venv"),
