@@ -35,6 +35,8 @@ POOL_SCOPE = (
     "prefix_drift",
     "TrajectoryPool.select",
     "TrajectoryPool._pace",
+    "TrajectoryPool._keep_all",
+    "TrajectoryPool._max_age",
 )
 """The pool's functions in scope, as `function` or `Class.method`."""
 MUTANT_GLOBS = (

@@ -623,17 +623,8 @@ class TrajectoryPool:
         self.last_v_now = v_now
         rows = np.flatnonzero(cols.alive[: self._rows])
         starts = np.flatnonzero(np.diff(cols.seq[rows], prepend=-1))  # first row of each group
-        name = self.config.name
-        if name == "pace":
-            rejected, drawn = self._pace(rows, starts, batch_groups, v_now, drift)
-            reason = "pace_budget"
-        elif name == "max_age" and rows.size:
-            too_old = np.maximum.reduceat(v_now - cols.v_min[rows], starts) > self.config.max_age
-            rejected, drawn = np.flatnonzero(too_old), np.flatnonzero(~too_old)[:batch_groups]
-            reason = "max_age"
-        else:
-            rejected, drawn = np.zeros(0, dtype=np.intp), np.arange(min(batch_groups, starts.size))
-            reason = ""
+        rule, reason = SELECTION_RULES[self.config.name]
+        rejected, drawn = rule(self, rows, starts, batch_groups, v_now, drift)
         first_rows = rows[starts]  # ids looked up only for the groups that leave: O(removed), not O(pool)
         rejected_ids = [self._trajectories[row].group_id for row in first_rows[np.sort(rejected)]]
         drawn_ids = [self._trajectories[row].group_id for row in first_rows[drawn]]
@@ -644,6 +635,31 @@ class TrajectoryPool:
         self.counts["drawn_trajectories"] += sum(len(group) for group in batch)
         self._remove([*rejected_ids, *drawn_ids])
         return batch
+
+    def _keep_all(
+        self,
+        rows: npt.NDArray[np.intp],
+        starts: npt.NDArray[np.intp],
+        batch_groups: int,
+        v_now: int,
+        drift: DriftScorer | None,
+    ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+        """`none` and `admission` at selection: nothing rejected, the oldest groups drawn (FIFO)."""
+        return np.zeros(0, dtype=np.intp), np.arange(min(batch_groups, starts.size))
+
+    def _max_age(
+        self,
+        rows: npt.NDArray[np.intp],
+        starts: npt.NDArray[np.intp],
+        batch_groups: int,
+        v_now: int,
+        drift: DriftScorer | None,
+    ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+        """`max_age`: groups with a token older than `max_age` versions rejected, the rest drawn FIFO."""
+        if not rows.size:
+            return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
+        too_old = np.maximum.reduceat(v_now - self._cols.v_min[rows], starts) > self.config.max_age
+        return np.flatnonzero(too_old), np.flatnonzero(~too_old)[:batch_groups]
 
     def refresh_drift(self, v_now: int, drift: DriftScorer) -> int:
         """Score, in one call of `drift`, every pooled member with GS > 0 that has no score cached at
@@ -795,3 +811,21 @@ def _counter(name: str, value: object) -> Counter[str]:
     ):
         raise ValueError(f"{name} must map strings to counts >= 0, got {value!r}")
     return Counter(value)
+
+
+SelectionRule = Callable[
+    [TrajectoryPool, npt.NDArray[np.intp], npt.NDArray[np.intp], int, int, DriftScorer | None],
+    tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]],
+]
+"""A filter's selection: (pool, live rows in arrival order, each group's first position among them,
+batch size, v_now, drift scorer) → (positions of the groups rejected, positions of the groups drawn)."""
+
+SELECTION_RULES: dict[FilterName, tuple[SelectionRule, str]] = {
+    "none": (TrajectoryPool._keep_all, ""),
+    "admission": (TrajectoryPool._keep_all, ""),
+    "max_age": (TrajectoryPool._max_age, "max_age"),
+    "pace": (TrajectoryPool._pace, "pace_budget"),
+}
+"""`filter.name` → its selection rule and the reason its rejections are counted under. A new filter:
+its name in `FilterName`, its knobs in `FilterConfig`, a rule here (and, if it gates starts, a branch
+in `TrajectoryPool.admission`)."""

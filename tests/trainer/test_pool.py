@@ -686,3 +686,15 @@ def test_effective_staleness_and_prefix_drift_refusals_and_precision() -> None:
         prefix_drift(current, behaviour, np.zeros(3, bool))
     with pytest.raises(ValueError, match=r"^log-probs must be finite on model tokens$"):
         prefix_drift(current, np.array([-1.2, math.nan, -1.0]), mask)
+
+
+def test_every_filter_name_has_one_selection_rule() -> None:
+    from trainer.pool import FILTER_NAMES, SELECTION_RULES
+
+    assert set(SELECTION_RULES) == set(FILTER_NAMES)
+    assert {name: reason for name, (_, reason) in SELECTION_RULES.items()} == {
+        "none": "",
+        "admission": "",
+        "max_age": "max_age",
+        "pace": "pace_budget",
+    }
