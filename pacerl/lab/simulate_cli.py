@@ -5,7 +5,8 @@ its synchronous baseline on the same GPUs; prints a table and writes `simulation
     pacerl simulate --preset areal --out runs/sim-areal      # AReaL's published setup, vs its 2.77×
 
 Settings come from, in order: the built-in defaults or `--preset`, then `--config FILE` (TOML or JSON with
-the fields of `SimConfig`; nested sections `workload`, `inference`, `trainer`, `filter`), then the flags.
+the fields of `SimConfig`; nested sections `workload`, `inference`, `trainer`, `filter`), then dotted
+`key=value` overrides of those fields (as `pacerl train` takes them), then the flags.
 Bad input is one line naming the option, exit code 2. The trainer package (and torch with it) and
 matplotlib are imported only when a simulation runs: `pacerl` builds this parser for every subcommand.
 """
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pacerl.settings import ConfigError, read_settings
+from pacerl.settings import ConfigError, apply_overrides, read_settings
 
 if TYPE_CHECKING:
     from pacerl.lab.config import SimConfig
@@ -45,6 +46,8 @@ def add_simulate_parser(commands: argparse._SubParsersAction[argparse.ArgumentPa
     add = parser.add_argument
     add("--preset", metavar="NAME", help=f"a calibrated setup: {', '.join(PRESET_NAMES)}")
     add("--config", metavar="FILE", help="TOML or JSON with SimConfig's fields (applied after --preset)")
+    add("settings", nargs="*", metavar="KEY=VALUE", help="SimConfig's fields as dotted key=value, e.g. "
+        "workload.group_size=8 (applied after --config, before the flags)")  # fmt: skip
     add("--inference-gpus", metavar="N", help="GPUs running inference engines")
     add("--trainer-gpus", metavar="M", help="GPUs training")
     add("--filter", metavar="NAME", help=f"the pool's staleness filter: {', '.join(FILTERS)}")
@@ -145,6 +148,11 @@ def build_config(args: argparse.Namespace) -> tuple[SimConfig, Preset | None]:
     preset_name = None if args.preset is None else _choice("--preset", args.preset, PRESET_NAMES)
     overrides = _overrides(args)  # checked before the heavy import below
     file_data = _read_config(args.config) if args.config is not None else None
+    if args.settings:
+        try:
+            file_data = apply_overrides(dict(file_data or {}), args.settings)
+        except ConfigError as error:
+            raise ValueError(f"key=value: {error}") from None
 
     from pacerl.lab.config import SimConfig, config_from_dict
     from pacerl.lab.presets import PRESETS
@@ -156,7 +164,8 @@ def build_config(args: argparse.Namespace) -> tuple[SimConfig, Preset | None]:
         try:
             config = config_from_dict(config, file_data)
         except ValueError as error:
-            raise ValueError(f"--config {args.config}: {error}") from None
+            source = f"--config {args.config}" if args.config is not None else "key=value"
+            raise ValueError(f"{source}: {error}") from None
     if args.trace is not None:
         from agents.trajectory import load_jsonl
 
@@ -189,6 +198,7 @@ def _name_options(message: str, args: argparse.Namespace) -> str:
             "preset",
             "config",
             "trace",
+            "settings",
         ):
             message = re.sub(rf"(?<![\w.-]){key}\b", "--" + key.replace("_", "-"), message)
     return message

@@ -3,6 +3,7 @@ filters' guarantees as seen through it, determinism, and the command."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -325,6 +326,8 @@ def test_the_command_writes_json_and_plots(tmp_path: Path, capsys: pytest.Captur
         (["--preset", "nope"], "--preset"),
         (["--steps", "-3"], "--steps"),
         (["--config", "/nonexistent/sim.toml"], "--config"),
+        (["workload.nope=3"], "key=value: unknown setting workload.nope"),
+        (["steps"], "key=value: override 'steps' is not key=value"),
         (["--inference-gpus", "2"], "--inference-gpus (2) must be at least inference.gpus_per_engine"),
     ],
 )
@@ -340,3 +343,14 @@ def test_the_command_keeps_its_name_lists_in_step() -> None:
     # pacerl.lab.simulate_cli lists them itself so that `pacerl --help` need not import the trainer
     assert cli_simulate.FILTERS == FILTER_NAMES
     assert tuple(PRESETS) == cli_simulate.PRESET_NAMES
+
+
+def test_key_value_overrides_set_the_config_between_the_file_and_the_flags(tmp_path: Path) -> None:
+    config_file = tmp_path / "sim.toml"
+    config_file.write_text("steps = 40\n[workload]\ngroup_size = 4\n")
+    parser = argparse.ArgumentParser(prog="pacerl")
+    cli_simulate.add_simulate_parser(parser.add_subparsers(dest="command", required=True))
+    argv = ["simulate", "--config", str(config_file), "workload.group_size=6", "steps=50", "--steps", "60"]
+    config, _ = cli_simulate.build_config(parser.parse_args([*argv, "--out", str(tmp_path)]))
+    assert config.workload.group_size == 6  # key=value over the file
+    assert config.steps == 60  # the flag over key=value
