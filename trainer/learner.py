@@ -525,11 +525,13 @@ class Learner:
         unit = mean_unit(cfg.name, cfg.aggregation)
         tokens = sum(t.num_model_tokens for t in trajectories)
         denominator = float(tokens if unit == "token" else len(trajectories))
-        threshold = self._sat_threshold(chunks, prepared, proximal, moved)
+        # Collated once: SAT's quantile pass and the training pass read the same batches.
+        batches = [self.collate([prepared.trajectories[i] for i in chunk]) for chunk in chunks]
+        threshold = self._sat_threshold(chunks, batches, proximal, moved)
         self.optimizer.zero_grad(set_to_none=True)
-        for chunk in chunks:
+        for chunk, batch in zip(chunks, batches, strict=True):
             reason = self._accumulate(
-                prepared, chunk, proximal, (denominator, tokens, threshold), first_epoch, totals
+                prepared, chunk, batch, proximal, (denominator, tokens, threshold), first_epoch, totals
             )
             if reason:
                 return reason, 0.0
@@ -542,18 +544,17 @@ class Learner:
     def _sat_threshold(
         self,
         chunks: list[list[int]],
-        prepared: _Prepared,
+        batches: list[TokenBatch],
         proximal: list[torch.Tensor] | None,
         moved: bool,
     ) -> torch.Tensor | None:
         """SAT's quantile over the whole mini-batch at the current weights; None when one micro-batch
         holds it (the loss then takes its own) or SAT is off."""
-        cfg, sat = self.config.loss, self._sat_config()
+        cfg, sat = self.config.loss, _sat(self.config.loss)
         if sat is None or cfg.name == "gmc" or len(chunks) < 2:
             return None
         values: list[torch.Tensor] = []
-        for chunk in chunks:
-            batch = self.collate([prepared.trajectories[i] for i in chunk])
+        for chunk, batch in zip(chunks, batches, strict=True):
             if proximal is not None and not moved:  # the weights of the proximal pass are these
                 current = _padded([proximal[i] for i in chunk], batch.loss_mask.shape)
             else:
@@ -571,6 +572,7 @@ class Learner:
         self,
         prepared: _Prepared,
         chunk: list[int],
+        batch: TokenBatch,
         proximal: list[torch.Tensor] | None,
         whole: tuple[float, int, torch.Tensor | None],
         first_epoch: bool,
@@ -580,8 +582,6 @@ class Learner:
         (`whole` = its loss denominator, its trainable tokens, SAT's threshold); returns a skip reason
         or ""."""
         denominator, update_tokens, threshold = whole
-        trajectories = [prepared.trajectories[i] for i in chunk]
-        batch = self.collate(trajectories)
         logprobs, logits, stats = self._forward(batch)
         mask = batch.loss_mask
         if not bool(torch.isfinite(logprobs[mask]).all()):
@@ -638,9 +638,6 @@ class Learner:
                     chunk_tokens,
                 )
         return ""
-
-    def _sat_config(self) -> SATConfig | None:
-        return _sat(self.config.loss)
 
     def _loss(
         self,
