@@ -33,6 +33,9 @@ github.com/sgl-project/sglang), these files of it:
 - `python/sglang/srt/sampling/sampling_params.py`: defaults, temperature < 1e-6 is greedy, top_k -1
   (or 1 << 30) is off, and `verify()`'s messages.
 - `python/sglang/srt/utils/weight_versions.py`: `weight_versions` spans.
+- `python/sglang/srt/utils/common.py` (`add_api_key_middleware`, the server's `--api-key`): with a
+  key, every request but OPTIONS and paths starting `/health` or `/metrics` needs the header
+  `Authorization: Bearer <key>`, else HTTP 401 `{"error": "Unauthorized"}`.
 - `python/sglang/srt/state_capturer/routed_experts.py`: routed experts `(prompt + completion − 1,
   layers, top_k)` int32, base64, only with the server flag (`enable_return_routed_experts` here).
 
@@ -659,13 +662,15 @@ def create_standin_app(
     enable_return_routed_experts: bool = True,
     health_timeout_s: float = 20.0,
     close_on_shutdown: bool = True,
+    api_key: str | None = None,
 ) -> fastapi.FastAPI:
     """The stand-in's ASGI app over `engine`, which it drives from the app's event loop.
 
     `model_path` is what `/model_info` reports until a weight update moves it (a directory with the
     model's config.json lets a client read the routed-experts layout from it); `weight_version` is
     SGLang's `--weight-version`; `enable_return_routed_experts` its `--enable-return-routed-experts`
-    (without it, routed experts are left out of answers however a request asks, as SGLang does).
+    (without it, routed experts are left out of answers however a request asks, as SGLang does);
+    `api_key` its `--api-key`.
     """
     server = _Server(engine, model_path, weight_version, enable_return_routed_experts)
 
@@ -683,6 +688,17 @@ def create_standin_app(
         description=__doc__,
         lifespan=lifespan,
     )
+
+    if api_key is not None:
+
+        @app.middleware("http")
+        async def authentication(request: fastapi.Request, call_next: Any) -> Response:
+            path = request.url.path
+            exempt = request.method == "OPTIONS" or path.startswith(("/health", "/metrics"))
+            if not exempt and request.headers.get("Authorization") != "Bearer " + api_key:
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            response: Response = await call_next(request)
+            return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: fastapi.Request, error: RequestValidationError) -> JSONResponse:

@@ -168,6 +168,10 @@ class SGLangOptions:
     allow_untruncated_logprobs: bool = False
     """SGLang returns log-probs before top-k/top-p truncation, not those of the distribution sampled
     from; requests with truncation are refused unless this accepts those log-probs."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the server's API key (SGLang's `--api-key`), sent
+    with every request as `Authorization: Bearer <key>`; None: no key. Named but unset is an error
+    when the client is built. The name, not the key, so that a saved config holds no secret."""
 
     def __post_init__(self) -> None:
         try:
@@ -218,6 +222,13 @@ class SGLangEngine:
         self._no_update.set()
         self._layout: _Layout | None = None
         self._closed = False
+        self._headers: dict[str, str] = {}
+        key_env = self.options.api_key_env
+        if key_env:
+            key = os.environ.get(key_env, "")
+            if not key:
+                raise ValueError(f"SGLangOptions.api_key_env names {key_env!r}, but that variable is unset")
+            self._headers["Authorization"] = f"Bearer {key}"
 
     @property
     def version(self) -> int:
@@ -372,7 +383,8 @@ class SGLangEngine:
         if self._client is None:
             limit = self.options.max_connections
             self._client = httpx.AsyncClient(
-                limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+                limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
+                headers=self._headers,
             )
         return self._client
 
@@ -416,6 +428,9 @@ class SGLangEngine:
         text, status, where = _error_text(response), response.status_code, self._base + path
         if status >= 500:
             return SGLangUnavailable(f"the SGLang server at {where} failed: HTTP {status}: {text}")
+        if status == 401:
+            sent = "the key" if self._headers else "no key"
+            text += f" (sent {sent}: does SGLangOptions.api_key_env name the server's --api-key?)"
         return SGLangRequestError(
             f"the SGLang server at {where} refused the request (HTTP {status}): {text}", status
         )

@@ -1,0 +1,424 @@
+"""`pacerl serve openai`: the embedded engine behind an OpenAI-compatible chat-completions API.
+
+Routes: `GET /v1/models`, `POST /v1/chat/completions` (non-streaming; `stream: true` is refused with
+HTTP 400) and `GET /health`. A request's messages and tools are rendered with the tokenizer's chat
+template; the engine generates with the request's sampling (`max_completion_tokens` or `max_tokens`,
+`temperature`, `top_p`, `stop`, `n`, `seed`); `<tool_call>{json}</tool_call>` blocks in the generated
+text become structured `tool_calls` (finish reason `tool_calls`) when the request offered tools, as the
+Hermes tool parsers of vLLM and SGLang do, and a malformed block leaves the whole text as content.
+`logprobs: true` returns each generated token's log-prob (no `top_logprobs`: the engine keeps only the
+sampled token's). Errors have the API's shape, `{"error": {"message", "type", "param", "code"}}`:
+400 for a bad request, 401 for a missing or wrong API key (`--api-key-env NAME`), 404 for an unknown
+model, 500 when the engine fails.
+
+An assistant message's structured `tool_calls` are written back into its text as the model generated
+them unless the tokenizer's template renders `tool_calls` itself (it mentions them), so multi-turn
+conversations render the way the model saw them.
+
+This module imports fastapi only when an app is built: the CLI parser (`add_serve_openai_parser`) is
+built on every `pacerl` call.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the route annotations of `create_app`'s
+# closures, which name fastapi, imported inside it.
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
+
+import pydantic
+
+from envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_hermes
+
+MAX_N = 16
+"""Choices one request may ask for."""
+
+
+class _Lenient(pydantic.BaseModel):
+    """Fields this server does not know are ignored, as vLLM and SGLang ignore them."""
+
+    model_config = pydantic.ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str = ""
+
+
+class ToolCallIn(_Lenient):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="allow")
+    name: str = pydantic.Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChatRequest(_Lenient):
+    """The chat-completions request fields this server reads."""
+
+    model: str
+    messages: list[ChatMessage] = pydantic.Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_tokens: int | None = pydantic.Field(default=None, ge=1)
+    max_completion_tokens: int | None = pydantic.Field(default=None, ge=1)
+    temperature: float | None = pydantic.Field(default=None, ge=0, le=2)
+    top_p: float | None = pydantic.Field(default=None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    n: int = pydantic.Field(default=1, ge=1, le=MAX_N)
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = pydantic.Field(default=None, ge=0, le=20)
+    stream: bool = False
+
+
+class ApiError(Exception):
+    """An answer in the API's error shape."""
+
+    def __init__(
+        self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _text(content: str | list[ContentPart] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if any(part.type != "text" or part.text is None for part in content):
+        raise ApiError(400, f"{where}: only text content parts are supported", param="messages")
+    return "".join(part.text or "" for part in content)
+
+
+def _template_call(call: ToolCallIn) -> dict[str, Any]:
+    arguments = _arguments(call.function.arguments)
+    return {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        return text
+
+
+def template_messages(messages: Sequence[ChatMessage], native_tool_calls: bool) -> list[dict[str, Any]]:
+    """The request's messages as the chat template takes them: `developer` is `system`; an assistant
+    message's tool calls go into its text as `<tool_call>` blocks unless the template renders
+    `tool_calls` itself (`native_tool_calls`)."""
+    out: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        content = _text(message.content, f"messages[{index}]")
+        role = "system" if message.role == "developer" else message.role
+        item: dict[str, Any] = {"role": role, "content": content}
+        if role == "tool" and message.name:
+            item["name"] = message.name
+        calls = message.tool_calls or []
+        if role == "assistant" and calls:
+            if native_tool_calls:
+                item["tool_calls"] = [_template_call(c) for c in calls]
+            else:
+                blocks = [
+                    TOOL_CALL_OPEN
+                    + json.dumps({"name": c.function.name, "arguments": _arguments(c.function.arguments)})
+                    + TOOL_CALL_CLOSE
+                    for c in calls
+                ]
+                item["content"] = "\n".join([content, *blocks] if content else blocks)
+        out.append(item)
+    return out
+
+
+def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of generated text: every `<tool_call>` block parsed into a structured call
+    and removed from the content; any malformed block leaves the text whole, without calls."""
+    parsed = parse_hermes(text)
+    if parsed.errors or not parsed.calls:
+        return text, []
+    content = text
+    while (start := content.find(TOOL_CALL_OPEN)) != -1:
+        end = content.find(TOOL_CALL_CLOSE, start) + len(TOOL_CALL_CLOSE)
+        content = content[:start] + content[end:]
+    calls = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+        }
+        for call in parsed.calls
+    ]
+    return content.strip() or None, calls
+
+
+def create_app(
+    engine: Any,
+    tokenizer: Any,
+    *,
+    model_name: str = "pacerl",
+    api_key: str | None = None,
+    close_engine: bool = True,
+) -> Any:
+    """The ASGI app (a `fastapi.FastAPI`) serving `engine` (an `EmbeddedEngine`, driven from the app's
+    event loop) under `model_name`; with `api_key`, every `/v1` route wants `Authorization: Bearer
+    <api_key>`. `close_engine`: close the engine when the app shuts down."""
+    import fastapi
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    from agents.engine.embedded import ContextOverflowError
+    from agents.engine.protocol import FinishReason, Generation, SamplingParams
+
+    native_tool_calls = "tool_calls" in str(getattr(tokenizer, "chat_template", "") or "")
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(getattr(getattr(engine, "model", None), "config", None), "eos_token_id", None)
+    eos |= {configured} if isinstance(configured, int) else set(configured or [])
+    max_context = int(getattr(engine, "max_context", 1 << 30))
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: fastapi.FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if close_engine:
+                await engine.aclose()
+
+    app = fastapi.FastAPI(title="pacerl OpenAI-compatible server", description=__doc__, lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: fastapi.Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: fastapi.Request, error: RequestValidationError) -> JSONResponse:
+        problems = error.errors()
+        first = problems[0] if problems else {}
+        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        message = "; ".join(f"{'.'.join(map(str, p.get('loc', ())[1:]))}: {p.get('msg')}" for p in problems)
+        return JSONResponse(ApiError(400, message or "invalid request", param=where).body(), status_code=400)
+
+    def authorized(authorization: str | None = fastapi.Header(default=None)) -> None:
+        if api_key is None:
+            return
+        given = (authorization or "").encode()
+        if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+            raise ApiError(401, "Incorrect or missing API key.", code="invalid_api_key")
+
+    guarded = [fastapi.Depends(authorized)]
+
+    @app.get("/health")
+    async def health() -> fastapi.Response:
+        """200 while the engine accepts requests."""
+        return fastapi.Response(status_code=200 if await engine.health() else 503)
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> dict[str, Any]:
+        """The one model served."""
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "pacerl"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: ChatRequest) -> dict[str, Any]:
+        """One non-streaming chat completion with `n` choices."""
+        if body.model != model_name:
+            raise ApiError(
+                404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
+            )
+        if body.stream:
+            raise ApiError(
+                400, "streaming is not supported by this server; send stream=false", param="stream"
+            )
+        if body.top_logprobs:
+            raise ApiError(
+                400,
+                "top_logprobs is not supported (only the sampled token's log-prob is kept)",
+                param="top_logprobs",
+            )
+        choice = body.tool_choice
+        if choice is not None and choice not in ("auto", "none"):
+            raise ApiError(400, "tool_choice supports only 'auto' and 'none'", param="tool_choice")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > 4 or not all(stops):
+            raise ApiError(400, "stop holds at most 4 non-empty strings", param="stop")
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
+        prompt = _render(tokenizer, template_messages(body.messages, native_tool_calls), tools)
+        if len(prompt) >= max_context:
+            raise ApiError(
+                400, f"This model's maximum context length is {max_context} tokens. However, your messages "
+                f"resulted in {len(prompt)} tokens.", param="messages", code="context_length_exceeded",
+            )  # fmt: skip
+        wanted = body.max_completion_tokens or body.max_tokens or max_context
+        temperature = 1.0 if body.temperature is None else body.temperature
+        samplings = [
+            SamplingParams(
+                max_new_tokens=max(1, min(wanted, max_context - len(prompt))),
+                temperature=temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                stop_strings=tuple(stops),
+                seed=None if body.seed is None else body.seed + i,
+            )
+            for i in range(body.n)
+        ]
+        try:
+            generations: list[Generation] = list(
+                await asyncio.gather(*(engine.generate(prompt, s) for s in samplings))
+            )
+        except ContextOverflowError as error:
+            raise ApiError(400, str(error), param="messages", code="context_length_exceeded") from None
+        except RuntimeError as error:
+            raise ApiError(500, f"the engine failed: {error}", kind="server_error") from None
+        offer_tools = bool(tools) and choice != "none"
+        choices = []
+        for index, generation in enumerate(generations):
+            if generation.finish_reason is FinishReason.ABORT:
+                raise ApiError(503, "the engine aborted the request (shutting down?)", kind="server_error")
+            tokens = list(generation.tokens)
+            if tokens and tokens[-1] in eos and generation.finish_reason is FinishReason.STOP:
+                tokens.pop()
+            text = tokenizer.decode(tokens, skip_special_tokens=False)
+            cut = min((i for i in (text.find(s) for s in stops) if i != -1), default=-1)
+            text = text if cut == -1 else text[:cut]
+            content, calls = split_tool_calls(text) if offer_tools else (text, [])
+            finish = "tool_calls" if calls else generation.finish_reason.value
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            entry: dict[str, Any] = {
+                "index": index,
+                "message": message,
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+            if body.logprobs:
+                entry["logprobs"] = {"content": _logprobs(tokenizer, tokens, generation.logprobs)}
+            choices.append(entry)
+        completion = sum(len(g.tokens) for g in generations)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": completion,
+                "total_tokens": len(prompt) + completion,
+            },
+        }
+
+    return app
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+    except (TemplateError, ValueError, TypeError, KeyError) as error:
+        raise ApiError(
+            400, f"the chat template cannot render these messages: {error}", param="messages"
+        ) from None
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    return ids
+
+
+def _logprobs(tokenizer: Any, tokens: Sequence[int], logprobs: Sequence[float]) -> list[dict[str, Any]]:
+    out = []
+    for token, logprob in zip(tokens, logprobs, strict=False):
+        text = tokenizer.decode([token], skip_special_tokens=False)
+        out.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+    return out
+
+
+def build_engine(model: str | None, *, seed: int = 0, max_batch: int = 64) -> tuple[Any, Any, str]:
+    """(engine, tokenizer, default model name): a checkpoint directory (`agents.models.load_model`), or
+    the tiny MoE with random weights when `model` is None."""
+    from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from agents.models import TinyMoEConfig, build_tiny_moe, load_model
+    from agents.tokenizer import tiny_tokenizer
+
+    tokenizer: Any
+    if model is None:
+        tokenizer = tiny_tokenizer()
+        weights = build_tiny_moe(TinyMoEConfig(), tokenizer)
+        name = "pacerl-tiny"
+    else:
+        weights, tokenizer = load_model(model)
+        name = os.path.basename(os.path.normpath(model)) or model
+    engine = EmbeddedEngine(weights, tokenizer, EmbeddedEngineConfig(seed=seed, max_batch=max_batch))
+    return engine, tokenizer, name
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server in the foreground until interrupted."""
+    import uvicorn
+
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env, "")
+        if not api_key:
+            raise ValueError(
+                f"--api-key-env names {args.api_key_env!r}, but that environment variable is unset"
+            )
+    engine, tokenizer, name = build_engine(args.model, seed=args.seed, max_batch=args.max_batch)
+    app = create_app(engine, tokenizer, model_name=args.served_model_name or name, api_key=api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def add_serve_openai_parser(serve_commands: Any) -> None:
+    """`pacerl serve openai`, added to the `pacerl serve` subcommands."""
+    parser = serve_commands.add_parser(
+        "openai", help="OpenAI-compatible /v1/chat/completions over the embedded engine (no streaming)"
+    )
+    parser.add_argument(
+        "--model", default=None, help="a model directory (default: the tiny MoE, random weights)"
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the name clients send (default: the directory's)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key-env", default=None, metavar="NAME",
+        help="environment variable holding the API key every /v1 request must bear (default: none)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seed of the engine's samplers")
+    parser.add_argument("--max-batch", type=int, default=64, help="requests decoded together at most")
+    parser.set_defaults(handler=serve)
