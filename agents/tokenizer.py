@@ -21,6 +21,7 @@ import json
 import random
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -46,15 +47,46 @@ SGLang and many servers, keeps them, so the env's parser still sees the model's 
 ADDED_TOKENS = CONTROL_TOKENS + TOOL_TOKENS
 """Each one a single id, in this order from id 0."""
 
-_MIN_VOCAB = 256 + len(ADDED_TOKENS)
 _ADDED_RE = re.compile("|".join(re.escape(token) for token in ADDED_TOKENS))
 
 
-def train_tokenizer(texts: Iterable[str], vocab_cap: int = 512) -> PreTrainedTokenizerFast:
+@dataclass(frozen=True)
+class TokenizerFamily:
+    """The special tokens and chat template a tokenizer carries: pacerl's own by default."""
+
+    special_tokens: tuple[str, ...] = CONTROL_TOKENS
+    """Control tokens, one id each from id 0 (`skip_special_tokens=True` drops them)."""
+    added_tokens: tuple[str, ...] = TOOL_TOKENS
+    """Single-id tokens that decoding always keeps (tool and reasoning tags, as Qwen marks them)."""
+    eos_token: str = IM_END
+    """The end-of-turn token (the engine stops on it)."""
+    pad_token: str = PAD
+    bos_token: str | None = None
+    """Written by templates that start with `{{ bos_token }}` (Llama 3.x)."""
+    chat_template: str = CHATML_TOOLS_TEMPLATE
+
+    def __post_init__(self) -> None:
+        named = {self.eos_token, self.pad_token} | ({self.bos_token} if self.bos_token else set())
+        if not named <= set(self.special_tokens):
+            raise ValueError(f"eos, pad and bos tokens must be among the special tokens: {sorted(named)}")
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    vocab_cap: int = 512,
+    *,
+    family: TokenizerFamily | None = None,
+) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on `texts` with at most `vocab_cap` ids (fewer when the corpus runs out of
-    pairs seen twice). Deterministic: the same texts give the same vocabulary and merges."""
-    if vocab_cap < _MIN_VOCAB:
-        raise ValueError(f"vocab_cap must be >= {_MIN_VOCAB} (256 bytes + {len(ADDED_TOKENS)} added tokens)")
+    pairs seen twice). Deterministic: the same texts give the same vocabulary and merges.
+
+    `family`: another model family's special tokens and chat template (a test stand-in for a real
+    checkpoint's tokenizer, e.g. Qwen3's or Llama 3.1's, trained offline); default: pacerl's own."""
+    family = family or TokenizerFamily()
+    added = family.special_tokens + family.added_tokens
+    minimum = 256 + len(added)
+    if vocab_cap < minimum:
+        raise ValueError(f"vocab_cap must be >= {minimum} (256 bytes + {len(added)} added tokens)")
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -67,29 +99,33 @@ def train_tokenizer(texts: Iterable[str], vocab_cap: int = 512) -> PreTrainedTok
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_cap,
         min_frequency=2,
-        special_tokens=list(ADDED_TOKENS),
+        special_tokens=list(added),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     # The trainer does not cut added tokens out of its input; without this it would spend merges on
     # `<|im_end|>`-spanning pairs that encoding never produces.
-    backend.train_from_iterator(_without_added_tokens(texts), trainer)
-    backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in TOOL_TOKENS])
-    return _wrap(backend)
+    added_re = re.compile("|".join(re.escape(token) for token in added))
+    backend.train_from_iterator(_without_added_tokens(texts, added_re), trainer)
+    backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in family.added_tokens])
+    return _wrap(backend, family)
 
 
-def _without_added_tokens(texts: Iterable[str]) -> Iterator[str]:
+def _without_added_tokens(texts: Iterable[str], added_re: re.Pattern[str] = _ADDED_RE) -> Iterator[str]:
     for text in texts:
-        yield from (piece for piece in _ADDED_RE.split(text) if piece)
+        yield from (piece for piece in added_re.split(text) if piece)
 
 
-def _wrap(backend: Tokenizer) -> PreTrainedTokenizerFast:
+def _wrap(backend: Tokenizer, family: TokenizerFamily | None = None) -> PreTrainedTokenizerFast:
+    family = family or TokenizerFamily()
+    named = (family.eos_token, family.pad_token, family.bos_token)
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves __init__ untyped
         tokenizer_object=backend,
-        eos_token=IM_END,
-        pad_token=PAD,
-        extra_special_tokens=[IM_START],
-        chat_template=CHATML_TOOLS_TEMPLATE,
+        eos_token=family.eos_token,
+        pad_token=family.pad_token,
+        bos_token=family.bos_token,
+        extra_special_tokens=[token for token in family.special_tokens if token not in named],
+        chat_template=family.chat_template,
         # The default cleanup rewrites " ." and " 's", which breaks the exact byte-level round trip.
         clean_up_tokenization_spaces=False,
     )

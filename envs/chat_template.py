@@ -1,11 +1,29 @@
-"""The ChatML chat template with tools (the Qwen2.5/Hermes convention) that pacerl's tokenizers carry.
+"""Chat templates: the project's ChatML-with-tools template (the tiny model's) and the bridge between
+what a model generates and what any model's own template expects.
 
-Tool schemas go into the system turn inside <tools></tools>; the assistant calls tools with
-<tool_call>{"name": ..., "arguments": ...}</tool_call>; each tool response is wrapped in
-<tool_response></tool_response>, and consecutive responses share one user turn. Env observations
-(`{"role": "tool", "content": ...}`) and `ToolEnv.tool_schemas()` render with it through any Hugging
-Face tokenizer: `tokenizer.apply_chat_template(messages, tools=env.tool_schemas())`.
+`CHATML_TOOLS_TEMPLATE` is the Qwen2.5/Hermes convention: tool schemas go into the system turn inside
+<tools></tools>; the assistant calls tools with <tool_call>{"name": ..., "arguments": ...}</tool_call>;
+each tool response is wrapped in <tool_response></tool_response>, and consecutive responses share one
+user turn. A message's `content` is written verbatim; structured `tool_calls` (an OpenAI-style message)
+are written back as compact `<tool_call>` JSON after it, and a `reasoning_content` as a `<think>` block
+before it, so the messages `assistant_message` makes render back to exactly the text they came from.
+
+`assistant_message(text)` turns generated text into the message a model's own template expects
+(Qwen2.5/Qwen3 want structured `tool_calls`; Qwen3 takes `reasoning_content`): the rollout driver
+renders the turns after it with it, and an OpenAI-compatible server answers with it.
 """
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_hermes
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+LLAMA_PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 
 CHATML_TOOLS_TEMPLATE = r"""
 {%- if messages and messages[0].role == 'system' %}
@@ -35,8 +53,120 @@ CHATML_TOOLS_TEMPLATE = r"""
         {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
         {%- if loop.last or rest[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
     {%- else %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+        {{- '<|im_start|>' + message.role + '\n' }}
+        {%- if message.reasoning_content is string %}
+            {{- '<think>' + message.reasoning_content + '</think>' }}
+        {%- endif %}
+        {{- message.content or '' }}
+        {%- for call in message.tool_calls or [] %}
+            {%- set call = call.function or call %}
+            {%- if (loop.first and message.content) or not loop.first %}{{- '\n' }}{%- endif %}
+            {%- set arguments = call.arguments if call.arguments is string else (call.arguments | tojson) %}
+            {{- '<tool_call>{"name": ' + (call.name | tojson) }}
+            {{- ', "arguments": ' + arguments + '}</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """
+
+_HERMES_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+
+
+def takes_reasoning(chat_template: str | None) -> bool:
+    """Whether a template reads an assistant message's `reasoning_content` (Qwen3, DeepSeek-R1 style);
+    for one that does not, a `<think>` block stays in the content, where the template writes it."""
+    return bool(chat_template) and "reasoning_content" in str(chat_template)
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """`(reasoning, answer)`: the text of a leading `<think>...</think>` block (None without one) and
+    what follows it, both as generated (newlines kept). A block that never closes is all reasoning."""
+    stripped = text.lstrip()
+    if stripped.startswith(THINK_OPEN):
+        body = stripped[len(THINK_OPEN) :]
+        if THINK_CLOSE not in body:
+            return body, ""
+        reasoning, _, answer = body.partition(THINK_CLOSE)
+        return reasoning, answer
+    if (
+        THINK_CLOSE in text
+    ):  # the template opened the block in the prompt (`<|im_start|>assistant\n<think>\n`)
+        reasoning, _, answer = text.partition(THINK_CLOSE)
+        return reasoning, answer
+    return None, text
+
+
+def assistant_message(text: str, *, reasoning_field: bool = True) -> dict[str, Any]:
+    """The assistant message a model's own chat template expects for generated `text` (end-of-turn
+    token already removed): `{"role": "assistant", "content": ...}` plus, when present,
+    `tool_calls` (OpenAI shape, `arguments` parsed into a dict) and `reasoning_content`.
+
+    - Tool calls: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks anywhere in the answer, or an
+      answer that is one Llama 3.x call (`{"name": ..., "parameters": ...}`, optionally after
+      `<|python_tag|>`) or a Mistral `[TOOL_CALLS][...]` list. Well-formed calls leave the content
+      (which is then stripped); a malformed block stays in it as text, for the env to report.
+    - Reasoning: with `reasoning_field`, a leading `<think>...</think>` block becomes
+      `reasoning_content` (as generated, newlines kept; templates strip what they want) and the
+      content is what follows; without it (a template that does not read the field) the block stays
+      in the content. Calls are only looked for outside the reasoning.
+
+    Without calls or reasoning the message is `{"role": "assistant", "content": text}`, unchanged. No
+    `tool_calls` key is set when there are none: Llama 3.x templates test for the key itself."""
+    reasoning, answer = split_reasoning(text)
+    calls, content = _calls_in(answer)
+    if reasoning is not None and not reasoning_field:
+        kept = text[: len(text) - len(answer)]  # the reasoning block exactly as generated
+        content = kept + content if calls else text
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None and reasoning_field:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [
+            {"type": "function", "function": {"name": name, "arguments": arguments}}
+            for name, arguments in calls
+        ]
+    return message
+
+
+def _calls_in(answer: str) -> tuple[list[tuple[str, dict[str, Any]]], str]:
+    """The well-formed calls in `answer` and the answer without them (stripped when any were found)."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+    kept: list[str] = []
+    position = 0
+    for match in _HERMES_BLOCK.finditer(answer):
+        parsed = parse_hermes(match.group(0))
+        if len(parsed.calls) == 1 and not parsed.errors:
+            calls.append((parsed.calls[0].name, parsed.calls[0].arguments))
+            kept.append(answer[position : match.start()])
+            position = match.end()
+    if calls:
+        kept.append(answer[position:])
+        return calls, "".join(kept).strip()
+    whole = answer.strip()
+    if whole.startswith(MISTRAL_TOOL_CALLS):
+        listed = _json_calls(whole[len(MISTRAL_TOOL_CALLS) :])
+        return (listed, "") if listed else ([], answer)
+    listed = _json_calls(whole.removeprefix(LLAMA_PYTHON_TAG))
+    return (listed, "") if listed and whole.startswith(("{", LLAMA_PYTHON_TAG)) else ([], answer)
+
+
+def _json_calls(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """A JSON call object (`name` and `parameters` or `arguments`) or a list of them; [] if it is not."""
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return []
+    items = data if isinstance(data, list) else [data]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            return []
+        if "arguments" not in item and "parameters" not in item:
+            return []  # `{"name": "Paris"}` is an answer, not a call
+        arguments = item.get("arguments", item.get("parameters"))
+        if not isinstance(arguments, dict):
+            return []
+        calls.append((item["name"], arguments))
+    return calls
