@@ -38,11 +38,14 @@ from agents.engine.protocol import Engine, EngineWithRoutesStart, FinishReason, 
 from agents.routing import RoutedExperts
 from agents.trajectory import Origin, Status, Trajectory
 from envs import EpisodeLost, Message, Task
+from envs.chat_template import assistant_message, split_reasoning, takes_reasoning
 
 log = logging.getLogger(__name__)
 
 _LOST = "episode lost"
 """The start of the failure reason of an episode whose env or engine raised `EpisodeLost`."""
+_SENTINEL = "\x00pacerl-turn\x00"
+"""The content of a stand-in assistant message that finds where a template ends a finished turn."""
 
 
 class EpisodeEnv(Protocol):
@@ -115,10 +118,15 @@ class RolloutDriver:
         ones: the same record, only more bytes on the way."""
         self.counts: Counter[str] = Counter()
         """Outcomes so far: `status:<status>`, `reason:<reason>`, `resumed`, `dropped_groups`,
-        `resumed_from_checkpoint`, `resume_tool_output_changed`, `requeued`."""
+        `resumed_from_checkpoint`, `resume_tool_output_changed`, `requeued`, and
+        `assistant_rerendered`: tool turns after an assistant turn that the template writes differently
+        once more follows it (Qwen3 drops an empty `<think>` block from a turn that is no longer last);
+        the record keeps the generated tokens and appends only the template's rendering of the new turn."""
         self._groups: dict[str, dict[str, Trajectory]] = {}
         self._ids = itertools.count()
         self._eos_text = tokenizer.eos_token or ""
+        self._reasoning_field = takes_reasoning(getattr(tokenizer, "chat_template", None))
+        """Whether the template reads `reasoning_content` (Qwen3): a `<think>` block goes there."""
         probe = self._render([{"role": "assistant", "content": "\x00"}], None, generation_prompt=False)
         self._assistant_tail = probe[probe.index("\x00") + 1 :]
         """What the template writes after an assistant message's content (e.g. `<|im_end|>\n`)."""
@@ -231,7 +239,7 @@ class RolloutDriver:
                 status = Status.TRUNCATED if turn.startswith("context") else Status.FAILED
                 return self._finish(trajectory, status, turn, 0.0)
             content = self._decode_content(turn)
-            observation, reward, terminated, truncated, info = await env.astep(content)
+            observation, reward, terminated, truncated, info = await env.astep(_action(content))
             if terminated or truncated:
                 status = Status.COMPLETED if terminated else Status.TRUNCATED
                 reason = "" if terminated else str(info.get("truncation_reason") or "truncated")
@@ -240,7 +248,7 @@ class RolloutDriver:
             if tool_turn is None:
                 return self._finish(trajectory, Status.FAILED, "chat template is not prefix-stable", 0.0)
             trajectory.append_tool(tool_turn)
-            messages += [{"role": "assistant", "content": content}, *observation]
+            messages += [self._assistant(content), *observation]
 
     def _tool_turn(
         self,
@@ -251,16 +259,34 @@ class RolloutDriver:
         turn: Sequence[int],
     ) -> list[int] | None:
         """The tool turn's tokens: exactly what the template renders between this assistant message
-        and the next generation prompt, tokenized once (None if the template is not prefix-stable)."""
-        assistant: Message = {"role": "assistant", "content": content}
+        (given to it as `assistant_message` structures it) and the next generation prompt, tokenized
+        once; None if the template's rendering of the new turn cannot be told apart from the turn before.
+
+        The generated tokens are never replaced: a template that writes the finished turn differently
+        once more follows it (Qwen3 without reasoning) is asked for the new turn after a stand-in
+        assistant message instead, so the record stays the model's tokens plus the template's turns."""
+        assistant = self._assistant(content)
         before = self._render([*messages, assistant], tools, generation_prompt=False)
         after = self._render([*messages, assistant, *observation], tools, generation_prompt=True)
-        if not after.startswith(before):
-            return None
+        if after.startswith(before):
+            new_turn = after[len(before) :]
+        else:
+            stand_in: Message = {"role": "assistant", "content": _SENTINEL}
+            probe = self._render([*messages, stand_in, *observation], tools, generation_prompt=True)
+            tail = probe.partition(_SENTINEL)[2]
+            if probe.count(_SENTINEL) != 1 or not tail.startswith(self._assistant_tail):
+                return None
+            new_turn = tail[len(self._assistant_tail) :]
+            self.counts["assistant_rerendered"] += 1
         generated_text = self.tokenizer.decode(list(turn), skip_special_tokens=False)
         already = generated_text[len(content) :]  # the part of the closing the model emitted itself
         closing = self._assistant_tail.removeprefix(already)
-        return self._encode(closing + after[len(before) :])
+        return self._encode(closing + new_turn)
+
+    def _assistant(self, content: str) -> Message:
+        """The generated `content` as the template expects it (structured calls, reasoning field)."""
+        message: Message = assistant_message(content, reasoning_field=self._reasoning_field)
+        return message
 
     async def _replay(
         self,
@@ -285,12 +311,12 @@ class RolloutDriver:
                 last_reason = segment.finish_reason or ""
                 continue
             content = self._decode_content(turn)
-            observation, _, terminated, truncated, _ = await env.astep(content)
+            observation, _, terminated, truncated, _ = await env.astep(_action(content))
             if terminated or truncated:
                 return "cannot resume: the replayed episode ended before the record did"
             if self._tool_turn(messages, content, observation, tools, turn) != list(segment.tokens):
                 self.counts["resume_tool_output_changed"] += 1  # the model saw the recorded one
-            messages += [{"role": "assistant", "content": content}, *observation]
+            messages += [self._assistant(content), *observation]
             turn = []
         ended = bool(turn) and last_reason in (FinishReason.STOP.value, FinishReason.LENGTH.value)
         return turn, ended or len(turn) >= self.config.sampling.max_new_tokens
@@ -433,6 +459,13 @@ def _new_routes(trajectory: Trajectory, generation: Generation, num_experts: int
         prefill = RoutedExperts.from_array(routes[held - start : context - start], num_experts)
         trajectory.attach_routes(prefill, held)
     return routes[context - start :] if generation.tokens else None
+
+
+def _action(content: str) -> str:
+    """What the env acts on: the assistant's message without a leading `<think>` block, as reasoning
+    parsers (SGLang's, vLLM's) hand it over: calls and answers inside the reasoning do not count."""
+    reasoning, answer = split_reasoning(content)
+    return content if reasoning is None else answer
 
 
 def _jsonable(value: Any) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import random
 import re
 from collections.abc import Iterable, Iterator
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from envs import code_math, get_tool, load_tasks
 from envs import math as math_env
@@ -35,6 +36,8 @@ from envs.jsonl import read_jsonl
 from envs.spaces import Message
 from envs.tasks import DATA_DIR
 from envs.tools.search import format_documents
+
+log = logging.getLogger(__name__)
 
 PAD = "<|pad|>"
 IM_START = "<|im_start|>"
@@ -129,6 +132,20 @@ def _wrap(backend: Tokenizer, family: TokenizerFamily | None = None) -> PreTrain
         # The default cleanup rewrites " ." and " 's", which breaks the exact byte-level round trip.
         clean_up_tokenization_spaces=False,
     )
+
+
+def with_chat_template(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """`tokenizer` as it is when it carries a chat template (a checkpoint's own: Qwen2.5's, Qwen3's,
+    Llama's render tools and reasoning their family's way); one without any (a base model's) gets
+    pacerl's `CHATML_TOOLS_TEMPLATE`, the tiny model's ChatML with Hermes tool calls, and a warning."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer
+    log.warning(
+        "the tokenizer has no chat template; using pacerl's ChatML-with-tools template (set "
+        "chat_template in the checkpoint's tokenizer_config.json to use the model's own)"
+    )
+    tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
+    return tokenizer
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from agents.engine.protocol import Engine
 from agents.engine.sglang import SGLangEngine
 from agents.models import build_tiny_moe, load_model, moe_info
 from agents.rollout import EpisodeEnv, RolloutDriver
-from agents.tokenizer import tiny_tokenizer
+from agents.tokenizer import tiny_tokenizer, with_chat_template
 from envs import Task, ToolEnv, load_tasks
 from envs.registry import env_class, registered_kwargs
 from pacerl.config import ConfigError, RunConfig
@@ -75,14 +75,16 @@ def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
 
 
 def load_policy(config: RunConfig) -> tuple[Any, PreTrainedTokenizerBase]:
-    """The model to train and its tokenizer: built from `model.tiny`, or loaded from `model.path`."""
+    """The model to train and its tokenizer: built from `model.tiny`, or loaded from `model.path` with the
+    checkpoint's own tokenizer and chat template (pacerl's template only when it has none)."""
     if config.model.path is None:
         tokenizer = tiny_tokenizer()
         return build_tiny_moe(config.model.tiny, tokenizer), tokenizer
     try:
-        return load_model(config.model.path)
+        model, loaded = load_model(config.model.path)
     except (FileNotFoundError, ValueError, OSError) as error:
         raise ConfigError(f"config: model.path: {error}") from None
+    return model, with_chat_template(loaded)
 
 
 def training_tasks(make_env: Callable[[], ToolEnv]) -> list[Task]:

@@ -152,15 +152,17 @@ def _run_eval(
 
 def _load(model: str) -> tuple[Any, Any]:
     from agents.models import load_model
+    from agents.tokenizer import with_chat_template
     from pacerl.config import ConfigError
 
     # Checked here: load_model would take a missing `a/b` path for a hub name and try the network.
     if not Path(model).expanduser().exists():
         raise ConfigError(f"--model: no model directory at {model}")
     try:
-        return load_model(model)
+        policy, tokenizer = load_model(model)
     except (FileNotFoundError, ValueError, OSError) as error:
         raise ConfigError(f"--model: {error}") from None
+    return policy, with_chat_template(tokenizer)  # the checkpoint's own template, pacerl's if none
 
 
 def with_settings(make_env: Callable[[], ToolEnv], settings: Mapping[str, Any]) -> Callable[[], ToolEnv]:
