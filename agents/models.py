@@ -1,5 +1,6 @@
 """Model factories: the tiny MoE built from a config (docs/learnability.md's 1.9M-parameter recipe), any local
-Hugging Face checkpoint, and where each MoE layer's router sits (what R3 routing replay hooks).
+Hugging Face checkpoint, and, through one adapter per MoE family (`MOE_ADAPTERS`), where each MoE layer's
+router sits and how R3 routing replay reads and forces its experts.
 
     tokenizer = tiny_tokenizer()
     model = build_tiny_moe(TinyMoEConfig(), tokenizer)        # milliseconds, deterministic per seed
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,7 +29,12 @@ from transformers import (
     PreTrainedTokenizerBase,
     Qwen3MoeConfig,
 )
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeTopKRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from agents.tokenizer import tiny_tokenizer
@@ -36,10 +43,7 @@ Family = Literal["qwen3_moe", "mixtral"]
 ExpertsImplementation = Literal["grouped_mm", "batched_mm", "eager"]
 
 FAMILIES: tuple[Family, ...] = ("qwen3_moe", "mixtral")
-"""MoE families `build_tiny_moe` builds and `moe_info` understands (transformers `model_type`s)."""
-
-_ROUTERS: dict[str, type[nn.Module]] = {"qwen3_moe": Qwen3MoeTopKRouter, "mixtral": MixtralTopKRouter}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
+"""MoE families `build_tiny_moe` builds (transformers `model_type`s); R3 supports all of `MOE_FAMILIES`."""
 
 
 @dataclass(frozen=True)
@@ -230,34 +234,133 @@ def _check_checkpoint_dir(directory: Path) -> None:
 
 # -- MoE routers ---------------------------------------------------------------------------------------
 
+RouteWeights = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+"""`(router, logits [T, num_experts], chosen [T, top_k]) -> weights [T, top_k]`: the gate weights a
+router gives the experts `chosen`, by the router's own arithmetic."""
+
+
+class UnsupportedMoEError(ValueError):
+    """A model whose config declares experts but whose family has no adapter in `MOE_ADAPTERS`:
+    R3 cannot reach its routers, and training it with routing replay on would silently run without it."""
+
+
+def _softmax_weights(router: nn.Module, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    # Softmax over all experts in float32, the chosen subset, renormalised when the router does
+    # (Qwen-MoE and OLMoE: iff `norm_topk_prob`; Mixtral, which lacks the attribute: always).
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, chosen)
+    if bool(getattr(router, "norm_topk_prob", True)):
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights
+
+
+def _chosen_softmax_weights(router: nn.Module, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    # Softmax over the chosen experts' logits only (GraniteMoE; gpt-oss, whose logits carry its bias).
+    return torch.softmax(logits.gather(-1, chosen), dim=-1)
+
+
+def _sigmoid_weights(router: nn.Module, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    # DeepSeek-V3: sigmoid scores of the chosen experts. The correction bias and the group-limited
+    # top-k only decide which experts are chosen, so they do not enter the weights.
+    settings: Any = router  # DeepseekV3TopkRouter's plain attributes, which nn.Module's typing hides
+    weights = logits.sigmoid().gather(-1, chosen)
+    if settings.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    scaled: torch.Tensor = weights * settings.routed_scaling_factor
+    return scaled
+
+
+@dataclass(frozen=True)
+class MoEAdapter:
+    """How R3 reaches one MoE family's routers (transformers 5.x).
+
+    Every adapted router is a module whose `forward(hidden_states)` returns the tuple
+
+        (router_logits  [T, num_experts],
+         weights        [T, top_k]   gate weights of the chosen experts,
+         indices        [T, top_k]   int64 expert ids)
+
+    with T = batch * seq (row-major, padding included; batch * new tokens when decoding with a KV cache),
+    and whose MoE block feeds `indices` and `weights` to its experts and nothing else of the routing.
+    It has the attributes `num_experts`, `top_k` and `weight` (`[num_experts, hidden]`).
+    So a forward hook on the router reads the chosen experts (`output[2]`, what the embedded engine
+    records) and, returning `(logits, weights(router, logits, recorded), recorded)`, forces them (what
+    R3 replays). Shared experts (Qwen2-MoE, DeepSeek-V3) and dense layers (DeepSeek-V3's
+    `first_k_dense_replace`, Qwen-MoE's `mlp_only_layers`) have no router and are left alone.
+    """
+
+    router: type[nn.Module]
+    """The router class; one instance per MoE layer."""
+    path: str
+    """Where a decoder layer holds its router, e.g. `mlp.gate` (`model.layers.<i>.<path>`)."""
+    weights: RouteWeights
+    """The router's gate weights for given experts, from its logits (replay of the live choice gives
+    the live weights bit for bit)."""
+
+
+MOE_ADAPTERS: dict[str, MoEAdapter] = {
+    "qwen2_moe": MoEAdapter(Qwen2MoeTopKRouter, "mlp.gate", _softmax_weights),
+    "qwen3_moe": MoEAdapter(Qwen3MoeTopKRouter, "mlp.gate", _softmax_weights),
+    "mixtral": MoEAdapter(MixtralTopKRouter, "mlp.gate", _softmax_weights),
+    "olmoe": MoEAdapter(OlmoeTopKRouter, "mlp.gate", _softmax_weights),
+    "deepseek_v3": MoEAdapter(DeepseekV3TopkRouter, "mlp.gate", _sigmoid_weights),
+    "gpt_oss": MoEAdapter(GptOssTopKRouter, "mlp.router", _chosen_softmax_weights),
+    "granitemoe": MoEAdapter(GraniteMoeTopKRouter, "block_sparse_moe.router", _chosen_softmax_weights),
+}
+"""R3 adapters by transformers `model_type`: adding a family is one entry (see docs/models.md)."""
+
+MOE_FAMILIES: tuple[str, ...] = tuple(MOE_ADAPTERS)
+"""The MoE families R3 supports (`moe_info` understands)."""
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_MOE_MODEL_TYPES = frozenset({"dbrx", "jamba", "nllb_moe", "switch_transformers", "llama4", "minimax"})
+"""MoE `model_type`s whose config names its expert count otherwise and whose name lacks "moe"."""
+
+
+def declares_moe(config: Any) -> bool:
+    """Whether a transformers config describes a mixture of experts: an expert count above 0
+    (`num_experts`, `num_local_experts`, `n_routed_experts`, `moe_num_experts`, in the config or its
+    text config), or a `model_type` known to be MoE."""
+    configs = [config]
+    get_text_config = getattr(config, "get_text_config", None)
+    if callable(get_text_config):
+        configs.append(get_text_config())
+    for candidate in configs:
+        model_type = str(getattr(candidate, "model_type", ""))
+        if "moe" in model_type or model_type in _MOE_MODEL_TYPES:
+            return True
+        for key in _EXPERT_COUNTS:
+            count = getattr(candidate, key, None)
+            if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+                return True
+    return False
+
+
+def _unsupported(family: object, reason: str) -> UnsupportedMoEError:
+    return UnsupportedMoEError(
+        f"{family!r} is a mixture-of-experts model, but {reason}: R3 routing replay cannot reach its "
+        f"routers. Supported MoE families: {', '.join(MOE_FAMILIES)}. Add an adapter to "
+        "agents.models.MOE_ADAPTERS (docs/models.md), or train without R3 (learner.routing_replay=false)."
+    )
+
+
+def check_replay_support(model: nn.Module) -> None:
+    """Raise `UnsupportedMoEError` when `model` is an MoE of a family without an R3 adapter; a dense
+    model or a supported family passes (a cheap look at the config, no module walk)."""
+    config: Any = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if config is not None and family not in MOE_ADAPTERS and declares_moe(config):
+        raise _unsupported(family, "its family has no R3 adapter")
+
 
 @dataclass(frozen=True)
 class MoEInfo:
-    """Where a model routes tokens to experts: one router ("gate") module per MoE layer.
-
-    The gates (transformers 5.x, both families): `model.model.layers[i].mlp.gate`, a
-    `Qwen3MoeTopKRouter` or `MixtralTopKRouter` (Mixtral's block was `block_sparse_moe` before 5.0).
-    Its `forward(hidden_states)` flattens the input to `[T, hidden]`, T = batch * seq (row-major,
-    padding positions included; T = batch * new tokens when decoding with a KV cache), and returns
-    the tuple
-
-        (router_logits  [T, num_experts]  pre-softmax, in the hidden states' dtype,
-         router_scores  [T, top_k]        weights of the chosen experts,
-         router_indices [T, top_k]        int64 expert ids, by descending probability).
-
-    Top-k happens inside the gate: softmax over all experts in float32, `torch.topk`, then the k
-    probabilities are renormalised to sum to 1 (Qwen3-MoE: iff `config.norm_topk_prob`, true for the
-    tiny model and Qwen3-30B-A3B, and cast back to the logits' dtype; Mixtral: always, left in float32).
-    The MoE block then calls `experts(hidden, router_indices, router_scores)` and discards the logits.
-    So a forward hook on a gate sees each layer's routing (`output[2]`) and, by returning a new tuple,
-    replaces it: routing replay (R3) returns the recorded indices with scores recomputed from this
-    forward's logits at those indices. `output_router_logits=True` collects `output[0]`.
-    """
+    """Where a model routes tokens to experts: one router ("gate") module per MoE layer, found by its
+    family's `MoEAdapter` (which documents the router's contract)."""
 
     family: str
     """The model's `model_type`."""
     layers: tuple[int, ...]
-    """Indices of the decoder layers that have an MoE block (all of them in the tiny model)."""
+    """Indices of the decoder layers that have an MoE block (DeepSeek-V3 starts dense)."""
     num_experts: int
     """Experts per MoE layer."""
     top_k: int
@@ -266,6 +369,8 @@ class MoEInfo:
     """Qualified module names of the gates, one per entry of `layers` (`model.get_submodule(name)`)."""
     gates: tuple[nn.Module, ...] = field(repr=False, compare=False)
     """The gate modules themselves, in layer order."""
+    adapter: MoEAdapter = field(repr=False, compare=False)
+    """The family's adapter: `adapter.weights` recomputes gate weights for replayed experts."""
 
     @property
     def num_layers(self) -> int:
@@ -274,32 +379,35 @@ class MoEInfo:
 
 
 def moe_info(model: nn.Module) -> MoEInfo:
-    """The MoE layout of a Qwen3-MoE or Mixtral model (built here or loaded from a checkpoint);
-    ValueError for any other model."""
+    """The MoE layout of a model of a family in `MOE_ADAPTERS` (built here or loaded from a checkpoint).
+    `UnsupportedMoEError` for an MoE without an adapter; a plain ValueError for a dense model."""
     config: Any = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
-    if not isinstance(family, str) or family not in _ROUTERS:
-        raise ValueError(f"moe_info knows the MoE families {FAMILIES}, not {family!r}")
-    router = _ROUTERS[family]
+    adapter = MOE_ADAPTERS.get(family) if isinstance(family, str) else None
+    if adapter is None or not isinstance(family, str):
+        check_replay_support(model)
+        raise ValueError(f"moe_info knows the MoE families {MOE_FAMILIES}, not {family!r} (a dense model?)")
+    pattern = re.compile(rf"^model\.layers\.(\d+)\.{re.escape(adapter.path)}$")
     found: list[tuple[int, str, Any]] = []
     for name, module in model.named_modules():
-        if isinstance(module, router):
+        if isinstance(module, adapter.router):
             # A bare decoder (`model.model`) names its layers without the causal-LM prefix.
             qualified = name if name.startswith("model.") else f"model.{name}"
-            match = _LAYER_RE.match(qualified)
+            match = pattern.match(qualified)
             if match is None:
-                raise ValueError(f"a {router.__name__} at an unexpected place: {name}")
+                raise ValueError(f"a {adapter.router.__name__} at an unexpected place: {name}")
             found.append((int(match.group(1)), name, module))
     if not found:
+        if declares_moe(config):
+            raise _unsupported(
+                family, f"no {adapter.router.__name__} sits at model.layers.<i>.{adapter.path}"
+            )
         raise ValueError(f"this {family} model has no MoE layer")
     found.sort(key=lambda item: item[0])
-    num_experts = int(config.num_experts)  # Mixtral's `num_local_experts`, through its attribute_map
-    top_k = int(config.num_experts_per_tok)
-    for _, name, module in found:
-        if (module.num_experts, module.top_k) != (num_experts, top_k):
-            raise ValueError(
-                f"{name} routes to {module.top_k} of {module.num_experts} experts, unlike its config"
-            )
+    shapes = {(int(module.num_experts), int(module.top_k)) for _, _, module in found}
+    if len(shapes) != 1:
+        raise ValueError(f"this {family} model's routers disagree on (num_experts, top_k): {sorted(shapes)}")
+    ((num_experts, top_k),) = shapes
     return MoEInfo(
         family=family,
         layers=tuple(index for index, _, _ in found),
@@ -307,4 +415,5 @@ def moe_info(model: nn.Module) -> MoEInfo:
         top_k=top_k,
         gate_names=tuple(name for _, name, _ in found),
         gates=tuple(module for _, _, module in found),
+        adapter=adapter,
     )

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from agents.models import check_replay_support
 from agents.trajectory import Trajectory
 from trainer.losses import token_logprobs
 from trainer.replay import ReplayStats, routing_replay
@@ -118,13 +119,17 @@ def forward_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, ReplayStats | None]:
     """The model's log-probs of every target `[B, T-1]` at the sampling temperature (the behaviour
     log-probs are those of logits / T), the logits `[B, T-1, V]`, and the replay stats when routes
-    were replayed. Gradients flow unless the caller disables them."""
+    were replayed. Gradients flow unless the caller disables them. With `replay_routes`, an MoE whose
+    family has no R3 adapter is an `UnsupportedMoEError`."""
     if replay_routes and batch.routes is not None and batch.replay is not None:
         with routing_replay(model, batch.routes, batch.replay) as stats:
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         if not stats.layers_seen:
             raise RuntimeError("routing replay was on but no MoE router ran in the forward")
     else:
+        if replay_routes:
+            # No routes to replay: fine for a dense model, never a silent dense run of an MoE R3 cannot reach.
+            check_replay_support(model)
         stats = None
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logits = logits[:, :-1].float()

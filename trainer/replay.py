@@ -5,7 +5,9 @@ still reach the router:
 
     g_i = I_infer,i · softmax(s_train)_i / Σ_j I_infer,j · softmax(s_train)_j   (norm_topk_prob models)
 
-Qwen3-MoE without `norm_topk_prob` keeps the un-renormalised probabilities, exactly as its router does.
+Each family's router arithmetic comes from its adapter (`agents.models.MOE_ADAPTERS`): Qwen-MoE without
+`norm_topk_prob` keeps the un-renormalised probabilities, GraniteMoE and gpt-oss take a softmax over the
+chosen logits, DeepSeek-V3 sigmoid scores times its scaling factor, exactly as each router does.
 
 The replay is injected by `routing_replay(...)`, a context manager that hooks the routers of one model
 instance and always removes its hooks; nothing global is patched. Every position with a recorded route
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from agents.models import MoEInfo, moe_info
+from agents.models import MoEInfo, RouteWeights, moe_info
 
 
 @dataclass
@@ -86,9 +88,8 @@ def routing_replay(model: nn.Module, routes: torch.Tensor, replay: torch.Tensor)
     flat_routes = routes.reshape(-1, info.num_layers, info.top_k).long()
     flat_replay = replay.reshape(-1)
     stats = ReplayStats()
-    normalise = [bool(getattr(gate, "norm_topk_prob", True)) for gate in info.gates]
     handles = [
-        gate.register_forward_hook(_replay_hook(layer, flat_routes, flat_replay, normalise[layer], stats))
+        gate.register_forward_hook(_replay_hook(layer, flat_routes, flat_replay, info.adapter.weights, stats))
         for layer, gate in enumerate(info.gates)
     ]
     try:
@@ -99,7 +100,7 @@ def routing_replay(model: nn.Module, routes: torch.Tensor, replay: torch.Tensor)
 
 
 def _replay_hook(
-    layer: int, routes: torch.Tensor, replay: torch.Tensor, normalise: bool, stats: ReplayStats
+    layer: int, routes: torch.Tensor, replay: torch.Tensor, weights: RouteWeights, stats: ReplayStats
 ) -> Any:
     def hook(module: nn.Module, inputs: Any, output: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits, _, live = output
@@ -111,13 +112,9 @@ def _replay_hook(
         recorded = routes[:, layer, :].to(live.device)
         mask = replay.to(live.device)
         chosen = torch.where(mask[:, None], recorded, live)
-        # The router's own arithmetic (softmax in float32 over all experts, then the chosen subset),
-        # so a replay of the live choice reproduces its scores bit for bit.
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        scores = probs.gather(-1, chosen)
-        if normalise:
-            scores = scores / scores.sum(-1, keepdim=True)
-        scores = scores.to(output[1].dtype)
+        # The router's own arithmetic (its family's adapter), so a replay of the live choice
+        # reproduces its scores bit for bit.
+        scores = weights(module, logits, chosen).to(output[1].dtype)
         with torch.no_grad():
             if bool(mask.any()):
                 same = live[mask].sort(-1).values == recorded[mask].sort(-1).values

@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from agents.engine.protocol import FinishReason, Generation, SamplingParams
+from agents.models import moe_info
 
 
 class ContextOverflowError(ValueError):
@@ -88,12 +89,8 @@ class _GateRecorder:
 
     def _hook(self, layer: int) -> Any:
         def record(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            # Routers return (logits, weights, indices) in transformers 5; older ones return logits.
-            if isinstance(output, tuple) and len(output) == 3:
-                chosen = output[2]
-            else:
-                logits = output[0] if isinstance(output, tuple) else output
-                chosen = torch.topk(logits, int(getattr(module, "top_k", 2)), dim=-1).indices
+            # An adapted router returns (logits, weights, indices) (agents.models.MoEAdapter).
+            chosen = output[2]
             self.indices[layer] = chosen.detach().reshape(-1, chosen.shape[-1]).to("cpu")
 
         return record
@@ -113,14 +110,12 @@ class _GateRecorder:
 
 
 def _find_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
-    gates = []
-    for layer in layers:
-        mlp = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
-        gate = getattr(mlp, "gate", None) or getattr(mlp, "router", None)
-        if gate is not None and hasattr(mlp, "experts"):
-            gates.append(gate)
-    return gates
+    """The routers R3 replays, in the same order (`moe_info`); none for a dense model, and none for an
+    MoE family without an adapter: it generates, and the learner refuses it when R3 is on."""
+    try:
+        return list(moe_info(model).gates)
+    except ValueError:  # dense, or UnsupportedMoEError
+        return []
 
 
 class EmbeddedEngine:
