@@ -22,8 +22,12 @@ SandboxFusionLanguage = Literal[
     "python", "cpp", "nodejs", "go", "go_test", "java", "php", "csharp", "bash", "typescript", "sql",
     "rust", "cuda", "lua", "R", "perl", "D_ut", "ruby", "scala", "julia", "pytest", "junit",
     "kotlin_script", "jest", "verilog", "python_gpu", "lean", "swift", "racket",
+    "python2", "gtest", "react",
 ]  # fmt: skip
-"""Every `language` SandboxFusion accepts; anything else is a validation error (HTTP 422) there."""
+"""Every `language` SandboxFusion's server or its official client (`sandbox-fusion`) accepts; anything
+else is a validation error (HTTP 422), as there. The last three are in the client's list only: the
+server answers them 422, which the client retries; here they are refused once, as any language this
+server does not run."""
 
 
 class CommandRunStatus(enum.StrEnum):
@@ -72,6 +76,15 @@ class RunCodeRequest(BaseModel):
     fetch_files: list[str] = Field([], description="paths to return after the run (not supported here)")
 
 
+class LimitCap(BaseModel):
+    """A limit a request asked for above the server's maximum, and what it got instead."""
+
+    limit: Literal["run_timeout", "memory_limit_MB"]
+    """The request field, as SandboxFusion spells it."""
+    requested: float
+    applied: float
+
+
 class RunCodeResponse(BaseModel):
     """The body of a `POST /run_code` answer (HTTP 200 whatever the verdict)."""
 
@@ -79,6 +92,20 @@ class RunCodeResponse(BaseModel):
     message: str
     compile_result: CommandRunResult | None = None
     run_result: CommandRunResult | None = None
+    executor_pod_name: str | None = None
+    files: dict[str, str] = {}
+    capped: list[LimitCap] | None = None
+    """pacerl's own field, present only when a requested limit was capped (SandboxFusion's clients
+    ignore fields they do not know); absent otherwise, so the answer is SandboxFusion's exact shape."""
+
+
+class RunJupyterResponse(BaseModel):
+    """The body of a `POST /run_jupyter` answer (SandboxFusion's `RunJupyterResponse`)."""
+
+    status: RunStatus
+    message: str
+    driver: CommandRunResult | None = None
+    cells: list[dict[str, object]] = []
     executor_pod_name: str | None = None
     files: dict[str, str] = {}
 

@@ -73,3 +73,37 @@ class Limits:
             "max_open_files": self.max_open_files,
             "output_cap_bytes": self.output_cap_bytes,
         }
+
+
+@dataclass(frozen=True)
+class RequestMaxima:
+    """The most one request to `pacerl serve sandbox` may ask for; past it the server caps the request
+    and says so in the answer. What a request gets when it asks for nothing is the server's `Limits`."""
+
+    timeout_s: float = 60.0
+    """Largest `run_timeout` honoured, in seconds (`--max-timeout`)."""
+    memory_mb: int = 2048
+    """Largest `memory_limit_MB` honoured, in MiB (`--max-memory-mb`)."""
+
+    def __post_init__(self) -> None:
+        # The ranges of Limits: a maximum must itself be a limit the sandbox can apply.
+        for name, value, ok in [
+            ("timeout_s", self.timeout_s, 0 < self.timeout_s <= 3600),
+            ("memory_mb", self.memory_mb, 32 <= self.memory_mb <= 1_048_576),
+        ]:
+            if isinstance(value, bool) or not ok:
+                raise ValueError(f"RequestMaxima.{name}={value!r} is out of range")
+
+    def check(self, defaults: Limits) -> None:
+        """Raise ValueError when a default is above its maximum (a request asking nothing would exceed it)."""
+        if defaults.timeout_s > self.timeout_s:
+            raise ValueError(
+                f"the default timeout ({defaults.timeout_s:g} s) is above the most a request may ask for "
+                f"({self.timeout_s:g} s): raise the maximum (--max-timeout) or lower the default (--timeout)"
+            )
+        if defaults.memory_mb > self.memory_mb:
+            raise ValueError(
+                f"the default memory ({defaults.memory_mb} MiB) is above the most a request may ask for "
+                f"({self.memory_mb} MiB): raise the maximum (--max-memory-mb) or lower the default "
+                "(--memory-mb)"
+            )

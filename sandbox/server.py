@@ -10,7 +10,8 @@ in sandbox.remote, shared with the client):
 - `sandbox/runners/types.py`: `CommandRunStatus`, `CommandRunResult`, `Language`.
 - `sandbox/runners/base.py`: time-limit results carry no return code; `memory_limit_MB <= 0` means the
   default; file entries with null content are skipped.
-- `sandbox/server/server.py`: `GET /v1/ping` answers "pong".
+- `sandbox/server/server.py`: `GET /v1/ping` answers "pong"; any other path FastAPI's HTTP 404
+  `{"detail": "Not Found"}` (405 for a wrong method), as here.
 
 ExecStatus -> SandboxFusion (`status` / `run_result.status` / `return_code`; `message` is empty for
 `ok`, else `[our status] our reason`, which sandbox.remote reads back):
@@ -24,14 +25,22 @@ ExecStatus -> SandboxFusion (`status` / `run_result.status` / `return_code`; `me
 
 Requests:
 
-- `run_timeout` becomes `Limits.timeout_s`, capped at the server's own `timeout_s` (`pacerl serve
-  sandbox --timeout`), which is thus the most a request may ask for; `memory_limit_MB` likewise caps
-  at the server's `memory_mb` and -1 (or any value <= 0) means that maximum. The other limits are
-  the server's. `compile_timeout` is accepted and unused (python and bash compile nothing).
-- A language outside SandboxFusion's list is invalid: HTTP 422, as SandboxFusion answers. A language
-  on its list that this server does not run (cpp, java, ...) is a valid request it cannot carry out:
-  HTTP 200 with status `SandboxError` and a message naming the supported languages. Non-empty
-  `fetch_files` are answered the same way: the sandbox returns no files.
+- `run_timeout` becomes `Limits.timeout_s` and `memory_limit_MB` `Limits.memory_mb`, each honoured up
+  to the server's `RequestMaxima` (`--max-timeout`, `--max-memory-mb`). A request that leaves a field
+  out (or sends `memory_limit_MB` <= 0, SandboxFusion's "default") gets the server's own `Limits`
+  (`--timeout`, `--memory-mb`). Above the maximum the request is capped and the answer carries
+  `capped: [{"limit", "requested", "applied"}]`, a field present only then (SandboxFusion's clients
+  ignore fields they do not know). The other limits are the server's. `compile_timeout` is accepted
+  and unused (python and bash compile nothing).
+- A language outside SandboxFusion's list is invalid: HTTP 422, as SandboxFusion answers (its official
+  client refuses such a request before sending it). A language on the list that this server does not
+  run (cpp, java, ...) is answered as SandboxFusion answers a language whose toolchain its image lacks:
+  HTTP 200, status `Failed`, here with no `run_result` (nothing ran) and a `message` naming the
+  supported languages. Not `SandboxError` and not a 4xx: the official client (`sandbox-fusion`) raises
+  on both and retries whatever it raised, five times with exponential backoff for `run_code`, so a
+  request that can never succeed would take half a minute to fail. Non-empty `fetch_files` are
+  answered the same way: the sandbox returns no files. `POST /run_jupyter` (which the client retries
+  three times) likewise answers 200 `Failed` with a message: this server runs no Jupyter kernel.
 - Anything malformed (not JSON, missing or mistyped fields, NUL bytes, code over the size cap, bad
   base64, paths leaving the work directory, text with lone surrogates) is HTTP 422 with `detail`
   (FastAPI's 400 for a body its JSON parser gives up on, e.g. nested too deep). Never a 500: an
@@ -65,12 +74,14 @@ from sandbox.core import Sandbox
 from sandbox.fusion_schema import (
     CommandRunResult,
     CommandRunStatus,
+    LimitCap,
     RunCodeRequest,
     RunCodeResponse,
+    RunJupyterResponse,
     RunStatus,
     status_message,
 )
-from sandbox.limits import Limits
+from sandbox.limits import Limits, RequestMaxima
 from sandbox.request import (
     LANGUAGES,
     MAX_CODE_BYTES,
@@ -91,6 +102,8 @@ GUARD = HttpGuardConfig(max_body_bytes=MAX_BODY_BYTES, body_budget_bytes=128 * M
 """The server's HTTP limits by default. The budget holds one body at the cap with room to spare for
 small requests beside it; measured, the server holds about 7 times the bytes of the bodies it is
 answering (JSON parsing, base64 decoding, the copies handed to the sandbox), so about 0.9 GB at most."""
+MAXIMA = RequestMaxima()
+"""The most a request may ask for by default (`--max-timeout`, `--max-memory-mb`)."""
 
 
 def _validation_detail(error: RequestValidationError) -> list[dict[str, Any]]:
@@ -99,7 +112,12 @@ def _validation_detail(error: RequestValidationError) -> list[dict[str, Any]]:
 
 
 def _refusal(message: str) -> RunCodeResponse:
-    """A valid SandboxFusion request this server cannot carry out."""
+    """A valid SandboxFusion request this server can never carry out: `Failed`, which no client retries."""
+    return RunCodeResponse(status=RunStatus.FAILED, message=message)
+
+
+def _sandbox_failure(message: str) -> RunCodeResponse:
+    """A run the sandbox failed to carry out this time; clients may retry it."""
     return RunCodeResponse(status=RunStatus.SANDBOX_ERROR, message=message)
 
 
@@ -144,12 +162,31 @@ def _check_text(what: str, text: str) -> bytes:
         raise fastapi.HTTPException(422, f"{what} is not valid Unicode text: {error}") from None
 
 
-def _limits(body: RunCodeRequest, ceiling: Limits) -> Limits:
-    memory = ceiling.memory_mb if body.memory_limit_mb <= 0 else min(body.memory_limit_mb, ceiling.memory_mb)
+def request_limits(
+    body: RunCodeRequest, defaults: Limits, maxima: RequestMaxima
+) -> tuple[Limits, list[LimitCap]]:
+    """The limits a request runs under, and the caps applied to what it asked for (in the answer)."""
+    caps: list[LimitCap] = []
+    timeout = defaults.timeout_s
+    if "run_timeout" in body.model_fields_set:
+        timeout = min(body.run_timeout, maxima.timeout_s)
+        if body.run_timeout > maxima.timeout_s:
+            caps.append(LimitCap(limit="run_timeout", requested=body.run_timeout, applied=timeout))
+    memory = defaults.memory_mb
+    if body.memory_limit_mb > 0:
+        memory = min(body.memory_limit_mb, maxima.memory_mb)
+        if body.memory_limit_mb > maxima.memory_mb:
+            caps.append(LimitCap(limit="memory_limit_MB", requested=body.memory_limit_mb, applied=memory))
     try:
-        return ceiling.replace(timeout_s=min(body.run_timeout, ceiling.timeout_s), memory_mb=memory)
+        return defaults.replace(timeout_s=timeout, memory_mb=memory), caps
     except ValueError as error:
         raise fastapi.HTTPException(422, f"{error} (memory_limit_MB must be -1 or >= 32)") from None
+
+
+def _answer(response: RunCodeResponse) -> JSONResponse:
+    # `capped` only when set, so an uncapped answer has exactly SandboxFusion's keys.
+    exclude = {"capped"} if response.capped is None else None
+    return JSONResponse(response.model_dump(mode="json", exclude=exclude))
 
 
 def create_app(
@@ -159,11 +196,14 @@ def create_app(
     max_queue: int | None = None,
     guard: HttpGuardConfig = GUARD,
     close_on_shutdown: bool = False,
+    maxima: RequestMaxima = MAXIMA,
 ) -> fastapi.FastAPI:
-    """The ASGI app serving `sandbox`; `sandbox.limits` are the most a request may ask for.
+    """The ASGI app serving `sandbox`: `sandbox.limits` are what a request gets when it asks for
+    nothing, `maxima` the most it may ask for (ValueError when a default is above its maximum).
 
     With `close_on_shutdown` the app owns the sandbox and closes it when the server shuts down.
     """
+    maxima.check(sandbox.limits)
     gate = Gate(max_concurrency, max_queue, "runs")
 
     @contextlib.asynccontextmanager
@@ -196,21 +236,25 @@ def create_app(
         return JSONResponse({"detail": detail}, status_code=422)
 
     @app.post("/run_code", response_model=RunCodeResponse, tags=["sandbox"])
-    async def run_code(body: RunCodeRequest) -> RunCodeResponse:
+    async def run_code(body: RunCodeRequest) -> JSONResponse:
         """Run one program; HTTP 200 whatever the program did (see the module docstring)."""
         if body.language not in LANGUAGES:
             supported = ", ".join(LANGUAGES)
-            return _refusal(
-                f"language {body.language!r} is not supported by this server; supported: {supported}"
+            return _answer(
+                _refusal(
+                    f"language {body.language!r} is not supported by this server; supported: {supported}"
+                )
             )
         if body.fetch_files:
-            return _refusal("fetch_files is not supported by this server: the sandbox returns no files")
+            return _answer(
+                _refusal("fetch_files is not supported by this server: the sandbox returns no files")
+            )
         _check_text("code", body.code)
         for path in body.files:
             _check_text(f"file path {path!r}", path)
         files = _decode_files(body.files)
         stdin = _check_text("stdin", body.stdin or "")
-        limits = _limits(body, sandbox.limits)
+        limits, caps = request_limits(body, sandbox.limits, maxima)
         try:
             # Validate now, so a request that can never run is refused without waiting for a slot.
             ExecRequest.build(body.code, body.language, stdin, files, limits)
@@ -221,8 +265,19 @@ def create_app(
                 result = await sandbox.arun(body.code, body.language, stdin, files, limits)
             except Exception as error:  # the client gets SandboxError, as from SandboxFusion; logged here
                 logger.exception("run failed inside the sandbox server")
-                return _refusal(f"the sandbox failed: {type(error).__name__}: {error}")
-        return fusion_response(result)
+                return _answer(_sandbox_failure(f"the sandbox failed: {type(error).__name__}: {error}"))
+        response = fusion_response(result)
+        if caps:
+            response.capped = caps
+        return _answer(response)
+
+    @app.post("/run_jupyter", response_model=RunJupyterResponse, tags=["sandbox"])
+    async def run_jupyter() -> RunJupyterResponse:
+        """Not served: `Failed` at once with a message (see the module docstring); the body is not read."""
+        return RunJupyterResponse(
+            status=RunStatus.FAILED,
+            message="run_jupyter is not supported by this server (no Jupyter kernel): use POST /run_code",
+        )
 
     @app.get("/v1/ping", tags=["health"])
     async def ping() -> str:
@@ -236,6 +291,10 @@ def create_app(
             "status": "ok",
             "backend": sandbox.backend_name,
             "languages": list(LANGUAGES),
+            "limits": {
+                "run_timeout": {"default": sandbox.limits.timeout_s, "max": maxima.timeout_s},
+                "memory_limit_MB": {"default": sandbox.limits.memory_mb, "max": maxima.memory_mb},
+            },
             "max_concurrency": gate.limit,
             "running": gate.running,
             "waiting": gate.waiting,
@@ -254,14 +313,18 @@ def serve(
     options: dict[str, object],
     max_queue: int | None = None,
     guard: HttpGuardConfig = GUARD,
+    maxima: RequestMaxima = MAXIMA,
 ) -> None:
     """Run the server until SIGINT/SIGTERM, then close the sandbox (warm sandboxes and all).
 
     As uvicorn does, a SIGTERM is re-raised after the graceful shutdown, so the process ends by it.
     """
+    maxima.check(limits)  # before any sandbox starts
     sandbox = Sandbox(backend, limits=limits, **options)
     try:
-        app = create_app(sandbox, max_concurrency, max_queue=max_queue, guard=guard, close_on_shutdown=True)
+        app = create_app(
+            sandbox, max_concurrency, max_queue=max_queue, guard=guard, close_on_shutdown=True, maxima=maxima
+        )
         run_server(app, host, port, guard, log_level="info")
     finally:
         sandbox.close()  # when startup failed before the app's shutdown could run; idempotent

@@ -49,7 +49,11 @@ from tests.hostile_http import (
 )
 
 SERVER_TIMEOUT_S = 2.0
-"""The CLI server's --timeout: the most any request may run."""
+"""The CLI server's --timeout: what a request that asks for no run_timeout gets."""
+SERVER_MAX_TIMEOUT_S = 3.0
+"""The CLI server's --max-timeout: the most any request may run."""
+SERVER_MAX_MEMORY_MB = 512
+"""The CLI server's --max-memory-mb."""
 
 RESPONSE_KEYS = {"status", "message", "compile_result", "run_result", "executor_pod_name", "files"}
 RUN_RESULT_KEYS = {"status", "execution_time", "return_code", "stdout", "stderr"}
@@ -71,7 +75,8 @@ def wait_for_ping(url: str, process: subprocess.Popen[bytes], log: Path, within_
 
 def start_cli_server(port: int, log: Path, *flags: str) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "pacerl.cli", "serve", "sandbox", "--backend", "local"]
-    argv += ["--port", str(port), "--max-concurrency", "4", "--timeout", str(SERVER_TIMEOUT_S), *flags]
+    argv += ["--port", str(port), "--max-concurrency", "4", "--timeout", str(SERVER_TIMEOUT_S)]
+    argv += ["--max-timeout", str(SERVER_MAX_TIMEOUT_S), "--max-memory-mb", str(SERVER_MAX_MEMORY_MB), *flags]
     with log.open("wb") as sink:
         process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
     wait_for_ping(f"http://127.0.0.1:{port}", process, log)
@@ -206,7 +211,7 @@ def test_success_has_the_exact_sandboxfusion_shape(cli_url: str) -> None:
         "code": "import sys\nprint(sys.stdin.read().strip()[::-1])",
         "language": "python",
         "compile_timeout": 10,
-        "run_timeout": 5,
+        "run_timeout": SERVER_MAX_TIMEOUT_S,  # at the maximum, so not capped
         "memory_limit_MB": -1,
         "stdin": "olleh",
         "files": {},
@@ -228,7 +233,7 @@ def test_failures_map_to_sandboxfusion_verdicts(cli_url: str) -> None:
         response = post(cli_url, json={"language": "python", **request})
         assert response.status_code == 200, response.text
         body: dict[str, Any] = response.json()
-        assert set(body) == RESPONSE_KEYS
+        assert set(body) - {"capped"} == RESPONSE_KEYS
         return body
 
     failed = run(code="raise SystemExit(4)")
@@ -245,6 +250,9 @@ def test_failures_map_to_sandboxfusion_verdicts(cli_url: str) -> None:
     # memory_limit_MB above the server's maximum (512) is capped: a 1 GiB allocation still fails.
     hog = run(code="block = bytearray(1024 ** 3)", memory_limit_MB=100_000)
     assert (hog["status"], hog["run_result"]["status"]) == ("Failed", "Finished")
+    assert hog["capped"] == [
+        {"limit": "memory_limit_MB", "requested": 100_000, "applied": SERVER_MAX_MEMORY_MB}
+    ]
     assert hog["message"] == "[memory] memory limit exceeded" and hog["run_result"]["return_code"] == 1
 
     flood = run(code="import sys\nsys.stdout.write('x' * 9_000_000)")
@@ -268,20 +276,22 @@ def test_run_timeout_is_capped_at_the_server_maximum(cli_url: str) -> None:
     code = "import time\ntime.sleep(30)\nprint('woke')"
     body = post(cli_url, json={"code": code, "language": "python", "run_timeout": 600})
     answer = body.json()
-    # Ended by the server's own 2 s maximum (the message names it), not by the asked-for 600 s.
+    # Ended by the server's 3 s maximum (the message names it, `capped` says so), not the asked-for 600 s.
     assert answer["run_result"]["status"] == "TimeLimitExceeded"
-    assert answer["message"] == f"[timeout] wall-clock limit of {SERVER_TIMEOUT_S:g} s exceeded"
+    assert answer["message"] == f"[timeout] wall-clock limit of {SERVER_MAX_TIMEOUT_S:g} s exceeded"
+    assert answer["capped"] == [{"limit": "run_timeout", "requested": 600, "applied": SERVER_MAX_TIMEOUT_S}]
     assert "woke" not in answer["run_result"]["stdout"]
 
 
-def test_valid_requests_this_server_cannot_serve_are_sandbox_errors(cli_url: str) -> None:
+def test_valid_requests_this_server_cannot_serve_are_failed_not_retryable(cli_url: str) -> None:
+    # `Failed`, not `SandboxError` or a 4xx: SandboxFusion's client retries those (test_fusion_client.py).
     cpp = post(cli_url, json={"code": "int main() {}", "language": "cpp"})
     assert cpp.status_code == 200
-    assert cpp.json()["status"] == "SandboxError" and "supported: python, bash" in cpp.json()["message"]
+    assert cpp.json()["status"] == "Failed" and "supported: python, bash" in cpp.json()["message"]
     assert set(cpp.json()) == RESPONSE_KEYS and cpp.json()["run_result"] is None
 
     fetch = post(cli_url, json={"code": "print(1)", "language": "python", "fetch_files": ["out.txt"]})
-    assert fetch.json()["status"] == "SandboxError" and "fetch_files" in fetch.json()["message"]
+    assert fetch.json()["status"] == "Failed" and "fetch_files" in fetch.json()["message"]
 
 
 def test_ping_and_health(cli_url: str) -> None:
@@ -289,6 +299,10 @@ def test_ping_and_health(cli_url: str) -> None:
     assert ping.status_code == 200 and ping.json() == "pong"
     health = httpx.get(f"{cli_url}/health", timeout=5).json()
     assert health["running"] == 0 and health["waiting"] == 0
+    assert health["limits"] == {
+        "run_timeout": {"default": SERVER_TIMEOUT_S, "max": SERVER_MAX_TIMEOUT_S},
+        "memory_limit_MB": {"default": 512, "max": SERVER_MAX_MEMORY_MB},
+    }
 
 
 # -- malformed requests ------------------------------------------------------------------------------------
