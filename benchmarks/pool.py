@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agents.trajectory import Status, Trajectory
-from trainer.pool import FilterConfig, TrajectoryPool
+from trainer.pool import FilterConfig, PaceSettings, TrajectoryPool
 
 GROUP = 8
 BATCH_GROUPS = 16
@@ -84,7 +84,7 @@ def measure(groups: list[list[Trajectory]], repeats: int, scored: bool) -> dict[
     """Median select time (ms) over `repeats`, on a pool refilled to the same size after each one."""
     # β = 0 and P* one batch below the pool: K_t = ceil((B/P)·P) = B on every repetition, so each one
     # does the same work (B groups rejected, B drawn) instead of following the EMA's warm-up.
-    config = FilterConfig(name="pace", target_groups=len(groups) - BATCH_GROUPS, ema=0.0)
+    config = FilterConfig(name="pace", pace=PaceSettings(target_groups=len(groups) - BATCH_GROUPS, ema=0.0))
     pool = TrajectoryPool(config)
     started = time.perf_counter()
     for group in groups:
@@ -149,7 +149,7 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
         "group_size": GROUP,
         "tokens_per_trajectory": 60,
         "batch_groups": BATCH_GROUPS,
-        "target_groups": "pool groups - batch_groups (beta = 0: 16 rejected per select)",
+        "pace.target_groups": "pool groups - batch_groups (beta = 0: 16 rejected per select)",
         "repetitions": repeats,
         "pools": pools,
         "cpus": os.cpu_count(),

@@ -25,7 +25,7 @@ from pacerl.settings import ConfigError as ConfigError
 from pacerl.settings import apply_overrides, config_to_dict, read_settings, settings_into
 from trainer.learner import LearnerConfig
 from trainer.loop import LoopConfig
-from trainer.pool import FilterConfig
+from trainer.pool import FilterConfig, PaceSettings
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ def _default_rollout() -> RolloutConfig:
 
 
 def _default_filter() -> FilterConfig:
-    return FilterConfig(target_groups=24, max_concurrent_groups=24)
+    return FilterConfig(max_concurrent_groups=24, pace=PaceSettings(target_groups=24))
 
 
 def _default_learner() -> LearnerConfig:
@@ -248,15 +248,16 @@ class RunConfig:
             raise ValueError(f"engine_backend must be embedded or sglang, got {self.engine_backend!r}")
         if self.engine_backend == "sglang" and self.model.path is None:
             raise ValueError("engine_backend=sglang needs model.path: the server loads the same checkpoint")
-        if self.filter.name == "pace" and self.filter.target_groups < self.loop.batch_groups:
+        if self.filter.name == "pace" and self.filter.pace.target_groups < self.loop.batch_groups:
             raise ValueError(
-                f"filter.target_groups ({self.filter.target_groups}) must be >= loop.batch_groups "
+                f"filter.pace.target_groups ({self.filter.pace.target_groups}) must be >= loop.batch_groups "
                 f"({self.loop.batch_groups}): below one batch PACE rejects groups the trainer is waiting for"
             )
         lag = self.loop.sync_interval - 1
-        if self.loop.mode == "async" and self.filter.name == "max_age" and self.filter.max_age < lag:
+        max_age = self.filter.max_age.versions
+        if self.loop.mode == "async" and self.filter.name == "max_age" and max_age < lag:
             raise ValueError(
-                f"filter.max_age ({self.filter.max_age}) must be >= loop.sync_interval - 1 ({lag}): between "
+                f"filter.max_age.versions ({max_age}) must be >= loop.sync_interval - 1 ({lag}): between "
                 "publications the engine's weights lag the trainer's by up to that many versions, so every "
                 "group would be rejected"
             )

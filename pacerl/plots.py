@@ -375,7 +375,8 @@ def _pace_target(run_dir: Path) -> int | None:
     section = json.loads(path.read_text(encoding="utf-8")).get("filter")
     if not isinstance(section, dict) or section.get("name") != "pace":
         return None
-    target = section.get("target_groups")
+    pace = section.get("pace")
+    target = pace.get("target_groups") if isinstance(pace, dict) else None
     return target if isinstance(target, int) else None
 
 

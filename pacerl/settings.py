@@ -71,11 +71,20 @@ def settings_into(base: T, data: Mapping[str, Any], *, unknown: str = "key") -> 
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
         message = first["msg"].removeprefix("Value error, ")
-        # a section's own check names the key in full already ("workload.group_size must be ...")
-        raise ConfigError(
-            f"{where}: {message}" if where and not message.startswith(f"{where}.") else message
-        ) from None
+        raise ConfigError(_located(where, message)) from None
     return validated
+
+
+def _located(where: str, message: str) -> str:
+    """A validation message placed at the key `where`, without repeating what the message names already:
+    a section's own check may name the key in full ("workload.group_size must be ...") or from the
+    section's own name ("max_age.versions must be ..." at `filter.max_age`)."""
+    if not where or message.startswith(f"{where}."):
+        return message
+    parent, _, section = where.rpartition(".")
+    if message.startswith(f"{section}."):
+        return f"{parent}.{message}" if parent else message
+    return f"{where}: {message}"
 
 
 def config_to_dict(config: Any) -> Any:
@@ -124,12 +133,22 @@ def _check_keys(cls: type, data: Any, prefix: str, noun: str) -> None:
         return
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
+    # A config class may list keys of earlier versions and where they went (`moved_keys`), e.g. the loss
+    # knobs that moved into per-loss sections; a key that became a section is moved when given a value.
+    moved: Mapping[str, str] = getattr(cls, "moved_keys", {})
     for key, value in data.items():
+        nested = _dataclass_in(hints[key]) if key in known else None
+        if key in moved and (key not in known or (nested is not None and not isinstance(value, Mapping))):
+            raise ConfigError(f"{prefix}{key} moved to {_prefixed(prefix, moved[key])}")
         if key not in known:
             raise ConfigError(f"unknown {noun} {prefix}{key} (known here: {', '.join(sorted(known))})")
-        nested = _dataclass_in(hints[key])
         if nested is not None:
             _check_keys(nested, value, f"{prefix}{key}.", noun)
+
+
+def _prefixed(prefix: str, places: str) -> str:
+    """`places` ("a.b or c.d") with each place under `prefix`."""
+    return " or ".join(prefix + place for place in places.split(" or "))
 
 
 def _dataclass_in(hint: Any) -> type | None:

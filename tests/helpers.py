@@ -149,7 +149,7 @@ def small_run(warm: tuple[Path, Path], run_dir: Path, **sections: Any) -> dict[s
         "rollout": {"group_size": 8},
         "learner": {"lr": 1e-3},
         "loop": {"batch_groups": 4, "steps": 24},
-        "filter": {"target_groups": 4, "max_concurrent_groups": 4},
+        "filter": {"pace": {"target_groups": 4}, "max_concurrent_groups": 4},
         "evaluation": {"at_start": False, "at_end": False},
     }
     for name, values in sections.items():

@@ -78,54 +78,134 @@ LOSSES: tuple[LossName, ...] = typing.get_args(LossName)
 ADVANTAGES: tuple[AdvantageName, ...] = ("grpo", "dr_grpo", "reinforce_pp")
 
 
+Anchor = Literal["behaviour", "recompute"]
+Aggregation = Literal["sequence", "token"]
+
+
+@dataclass(frozen=True)
+class GSPOSettings:
+    """gspo and gspo_token (GSPO, arXiv 2507.18071)."""
+
+    ratio_anchor: Anchor = "behaviour"
+    """The ratio's denominator: the rollout engine's log-probs (SAT, slime), or the trainer's own before
+    the update (then the ratio starts at 1 and staleness is not corrected)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("gspo.ratio_anchor", self.ratio_anchor, typing.get_args(Anchor))
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """grpo: the token-level clipped ratio."""
+
+    ratio_anchor: Anchor = "behaviour"
+    """As `GSPOSettings.ratio_anchor`."""
+    aggregation: Aggregation = "token"
+    """Mean of per-sequence token means (the paper's 1/|o_i|), or one mean over all tokens (DAPO)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("grpo.ratio_anchor", self.ratio_anchor, typing.get_args(Anchor))
+        _check_choice("grpo.aggregation", self.aggregation, typing.get_args(Aggregation))
+
+
+@dataclass(frozen=True)
+class DecoupledPPOSettings:
+    """decoupled_ppo: AReaL's proximal policy with a behaviour weight."""
+
+    behaviour_weight: Literal["none", "mask", "truncate"] = "mask"
+    """The π_prox/μ weight: masked above the cap (AReaL), truncated at it (TIS), or off."""
+    weight_cap: float = 5.0
+    """The cap of the behaviour weight. > 1."""
+    aggregation: Aggregation = "token"
+    """As `GRPOSettings.aggregation`."""
+
+    def __post_init__(self) -> None:
+        _check_choice("decoupled_ppo.behaviour_weight", self.behaviour_weight, ("none", "mask", "truncate"))
+        _check_choice("decoupled_ppo.aggregation", self.aggregation, typing.get_args(Aggregation))
+        if not self.weight_cap > 1:
+            raise ValueError(f"decoupled_ppo.weight_cap must be > 1, got {self.weight_cap!r}")
+
+
+@dataclass(frozen=True)
+class GMCSettings:
+    """gmc: group-mass capping (arXiv 2610.01896)."""
+
+    eps: float = 0.2
+    """A group's importance mass is capped at G·(1 + eps). > 0."""
+
+    def __post_init__(self) -> None:
+        if not self.eps > 0:
+            raise ValueError(f"gmc.eps must be > 0, got {self.eps!r}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class LossConfig:
-    """Which policy loss, its trust region and its regularisers."""
+    """Which policy loss, its trust region and its regularisers. The knobs of one loss alone sit in that
+    loss's section (`gspo`, `grpo`, `decoupled_ppo`, `gmc`); only the chosen loss's section is read, so
+    a sweep over `name` can keep every section set."""
+
+    moved_keys: typing.ClassVar[dict[str, str]] = {
+        "ratio_anchor": "gspo.ratio_anchor or grpo.ratio_anchor",
+        "aggregation": "grpo.aggregation or decoupled_ppo.aggregation",
+        "behaviour_weight": "decoupled_ppo.behaviour_weight",
+        "weight_cap": "decoupled_ppo.weight_cap",
+        "gmc_eps": "gmc.eps",
+    }
+    """Keys of earlier versions → where they live now (the config loader names the new place)."""
 
     name: LossName = "gspo"
     """gspo | gspo_token (GSPO, arXiv 2507.18071), grpo (token clip), decoupled_ppo (AReaL's proximal
     policy with a behaviour weight), gmc (group-mass capping, arXiv 2610.01896)."""
     eps_low: float = 0.2
-    """Lower clip radius (the SAT paper's comparisons use 0.2 on both sides)."""
+    """Lower clip radius of gspo, gspo_token, grpo and decoupled_ppo (the SAT paper's comparisons use 0.2
+    on both sides)."""
     eps_high: float = 0.2
     """Upper clip radius (DAPO's clip-higher sets it above eps_low)."""
     sat: bool = True
     """Staleness-adaptive trust region (SAT, arXiv 2607.18722) on gspo, gspo_token, grpo, decoupled_ppo."""
     sat_quantile: float = 0.9
-    """SAT gates entries whose |log π_θ − log μ| exceeds this quantile of the micro-batch."""
+    """SAT gates entries whose |log π_θ − log μ| exceeds this quantile of the mini-batch."""
     sat_kernel: Literal["cauchy", "rational"] = "cauchy"
     """SAT's contraction kernel (a reconstruction; see `trainer.losses.sat_bounds`)."""
-    ratio_anchor: Literal["behaviour", "recompute"] = "behaviour"
-    """The ratio's denominator for gspo/grpo: the rollout engine's log-probs (SAT, slime), or the
-    trainer's own before the update (then the ratio starts at 1 and staleness is not corrected)."""
-    aggregation: Literal["sequence", "token"] = "token"
-    """grpo and decoupled_ppo: mean of per-sequence token means, or one mean over all tokens (DAPO)."""
-    behaviour_weight: Literal["none", "mask", "truncate"] = "mask"
-    """decoupled_ppo: π_prox/μ weight masked above the cap (AReaL), truncated at it (TIS), or off."""
-    weight_cap: float = 5.0
-    """decoupled_ppo: the cap of the behaviour weight."""
-    gmc_eps: float = 0.2
-    """gmc: the group's importance mass is capped at G·(1 + gmc_eps)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the initial policy (0: no reference model is kept)."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus (subtracted from the loss)."""
+    gspo: GSPOSettings = field(default_factory=GSPOSettings)
+    """gspo's and gspo_token's own knobs."""
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    """grpo's own knobs."""
+    decoupled_ppo: DecoupledPPOSettings = field(default_factory=DecoupledPPOSettings)
+    """decoupled_ppo's own knobs."""
+    gmc: GMCSettings = field(default_factory=GMCSettings)
+    """gmc's own knobs."""
 
     def __post_init__(self) -> None:
         if self.name not in LOSSES:
             raise ValueError(f"loss name must be one of {LOSSES}, got {self.name!r}")
         ClipConfig(self.eps_low, self.eps_high)
         SATConfig(self.sat_quantile, self.sat_kernel)
-        if self.ratio_anchor not in ("behaviour", "recompute"):
-            raise ValueError(f"ratio_anchor must be behaviour or recompute, got {self.ratio_anchor!r}")
-        if self.aggregation not in ("sequence", "token"):
-            raise ValueError(f"aggregation must be sequence or token, got {self.aggregation!r}")
-        if self.behaviour_weight not in ("none", "mask", "truncate"):
-            raise ValueError(
-                f"behaviour_weight must be none, mask or truncate, got {self.behaviour_weight!r}"
-            )
-        if self.weight_cap <= 1 or self.gmc_eps <= 0 or self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError("need weight_cap > 1, gmc_eps > 0, kl_coef >= 0 and entropy_coef >= 0")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("need kl_coef >= 0 and entropy_coef >= 0")
+
+    @property
+    def ratio_anchor(self) -> Anchor | None:
+        """The chosen loss's ratio anchor (gspo, gspo_token, grpo); None for a loss without one."""
+        if self.name in ("gspo", "gspo_token"):
+            return self.gspo.ratio_anchor
+        return self.grpo.ratio_anchor if self.name == "grpo" else None
+
+    @property
+    def aggregation(self) -> Aggregation:
+        """What the chosen loss averages over: grpo's and decoupled_ppo's setting, `sequence` otherwise."""
+        if self.name == "grpo":
+            return self.grpo.aggregation
+        return self.decoupled_ppo.aggregation if self.name == "decoupled_ppo" else "sequence"
 
 
 @dataclass(frozen=True)
@@ -162,14 +242,14 @@ def _sat(cfg: LossConfig) -> SATConfig | None:
     return SATConfig(cfg.sat_quantile, cfg.sat_kernel) if cfg.sat else None
 
 
-def _anchor(inputs: LossInputs, cfg: LossConfig) -> torch.Tensor:
-    return inputs.behaviour if cfg.ratio_anchor == "behaviour" else inputs.proximal
+def _anchor(inputs: LossInputs, anchor: Anchor) -> torch.Tensor:
+    return inputs.behaviour if anchor == "behaviour" else inputs.proximal
 
 
 def _gspo(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     return gspo_loss(
         inputs.logprobs,
-        _anchor(inputs, cfg),
+        _anchor(inputs, cfg.gspo.ratio_anchor),
         inputs.advantages,
         inputs.mask,
         _clip(cfg),
@@ -184,11 +264,11 @@ def _gspo(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
 def _grpo(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
     return grpo_loss(
         inputs.logprobs,
-        _anchor(inputs, cfg),
+        _anchor(inputs, cfg.grpo.ratio_anchor),
         inputs.advantages,
         inputs.mask,
         _clip(cfg),
-        cfg.aggregation,
+        cfg.grpo.aggregation,
         _sat(cfg),
         inputs.behaviour,
         sat_threshold=inputs.sat_threshold,
@@ -204,9 +284,9 @@ def _decoupled_ppo(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
         inputs.advantages,
         inputs.mask,
         _clip(cfg),
-        behaviour_weight=cfg.behaviour_weight,
-        weight_cap=cfg.weight_cap,
-        aggregation=cfg.aggregation,
+        behaviour_weight=cfg.decoupled_ppo.behaviour_weight,
+        weight_cap=cfg.decoupled_ppo.weight_cap,
+        aggregation=cfg.decoupled_ppo.aggregation,
         sat=_sat(cfg),
         sat_threshold=inputs.sat_threshold,
         denominator=inputs.denominator,
@@ -220,7 +300,7 @@ def _gmc(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
         inputs.advantages,
         inputs.mask,
         inputs.groups,
-        eps=cfg.gmc_eps,
+        eps=cfg.gmc.eps,
         denominator=inputs.denominator,
     )
 
@@ -233,7 +313,7 @@ POLICY_LOSSES: dict[LossName, PolicyLoss] = {
     "gmc": _gmc,
 }
 """`learner.loss.name` → the loss. A new loss: a pure function in `trainer.losses`, an adapter here
-with this signature, and its name in `LossName`."""
+with this signature, its name in `LossName`, and its own knobs in a section of `LossConfig`."""
 
 
 @dataclass(frozen=True)
@@ -489,7 +569,7 @@ class Learner:
     def _uses_proximal(self) -> bool:
         """Whether the loss anchors its ratio at the weights before the step's first update."""
         cfg = self.config.loss
-        return cfg.name == "decoupled_ppo" or (cfg.ratio_anchor == "recompute" and cfg.name != "gmc")
+        return cfg.name == "decoupled_ppo" or cfg.ratio_anchor == "recompute"
 
     @torch.no_grad()
     def _proximal(self, prepared: _Prepared) -> list[torch.Tensor]:

@@ -223,17 +223,17 @@ class Run:
         needs a batch, so two states are final: (1) the pool is short of a batch, nothing is in flight
         and admission starts nothing (the producer is blocked for good), e.g. an `admission` pool
         restored into a run with a smaller `batch_groups`; (2) `max_age` while the engine's weights lag
-        the trainer by more than `max_age` versions: every token pooled or still to come is older than
-        the cap, so every group is rejected, and the weights are published only after a step.
+        the trainer by more than `max_age.versions` versions: every token pooled or still to come is
+        older than the cap, so every group is rejected, and the weights are published only after a step.
         """
         config, pool, filter_config = self.config, self.pool, self.pool.config
         lag = self.learner.version - self.engine.version
-        if filter_config.name == "max_age" and lag > filter_config.max_age:
+        if filter_config.name == "max_age" and lag > filter_config.max_age.versions:
             return (
-                f"filter.max_age={filter_config.max_age} rejects every group, because the engine serves "
-                f"version {self.engine.version} until the next publication (every "
+                f"filter.max_age.versions={filter_config.max_age.versions} rejects every group, because the "
+                f"engine serves version {self.engine.version} until the next publication (every "
                 f"loop.sync_interval={config.sync_interval} updates) and the trainer is at version "
-                f"{self.learner.version}; set filter.max_age >= loop.sync_interval - 1"
+                f"{self.learner.version}; set filter.max_age.versions >= loop.sync_interval - 1"
             )
         if len(pool) >= config.batch_groups or self._running or self._saved_in_flight:
             return None
@@ -241,11 +241,11 @@ class Run:
             return None
         detail = ""
         if filter_config.name == "admission":
-            cap = (filter_config.max_offpolicyness + self.step + 1) * config.batch_groups
+            cap = (filter_config.admission.max_offpolicyness + self.step + 1) * config.batch_groups
             detail = (
-                f" (it allows (filter.max_offpolicyness + steps + 1)·loop.batch_groups = {cap} groups "
-                f"after {self.step} steps and {pool.accepted_groups} were accepted already; was the run "
-                f"resumed with a smaller loop.batch_groups?)"
+                f" (it allows (filter.admission.max_offpolicyness + steps + 1)·loop.batch_groups = {cap} "
+                f"groups after {self.step} steps and {pool.accepted_groups} were accepted already; was the "
+                f"run resumed with a smaller loop.batch_groups?)"
             )
         return (
             f"the pool holds {len(pool)} of the {config.batch_groups} groups a batch needs, no rollout is "

@@ -4,7 +4,7 @@ Completed groups wait here until the trainer draws a batch. Four filters decide 
 what is thrown away (`FilterConfig.name`):
 
 - `none`: no staleness control; FIFO draws.
-- `max_age`: a hard cap on token age, v_now − v_t ≤ `max_age` for every token of every member
+- `max_age`: a hard cap on token age, v_now − v_t ≤ `max_age.versions` for every token of every member
   (prime-rl's async level, NeMo-RL's age cap); FIFO draws.
 - `admission`: AReaL's staleness control (arXiv 2505.24298): the rollout side may only start as many
   groups as `admission_capacity` allows, so nothing in the pool can be older than η versions; nothing is
@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
@@ -88,39 +89,78 @@ def _check_float(name: str, value: object, low: float, high: float, *, high_open
 
 
 @dataclass(frozen=True)
+class MaxAgeSettings:
+    """max_age: a hard cap on token age (prime-rl's async level, NeMo-RL's age cap)."""
+
+    versions: int = 4
+    """A group is rejected when any member has a token with v_now − v_t > versions. >= 0."""
+
+    def __post_init__(self) -> None:
+        _check_int("max_age.versions", self.versions, 0)
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """admission: AReaL's staleness control."""
+
+    max_offpolicyness: int = 4
+    """AReaL's η (`rollout.max_head_offpolicyness`); 0 is synchronous training. Counted in training
+    steps, skipped ones included (`admission_capacity`), so a skipped step never closes admission. >= 0."""
+
+    def __post_init__(self) -> None:
+        _check_int("admission.max_offpolicyness", self.max_offpolicyness, 0)
+
+
+@dataclass(frozen=True)
+class PaceSettings:
+    """pace: PACE's adaptive rejection budget and effective-staleness ranking."""
+
+    target_groups: int = 8
+    """P*, the target pool occupancy in groups; occupancy above it builds the rejection budget. Batches
+    are drawn in arrival order, so at occupancy P a group waits at most ⌈P/batch⌉ steps
+    (`TrajectoryPool.select`). >= 1."""
+    ema: float = 0.9
+    """β, the EMA factor of the excess-occupancy rate e_t, in [0, 1) (0: no smoothing)."""
+    gamma: float = 4.0
+    """γ, the exponent sharpening the drift percentile into the GS weight pct^γ. > 0."""
+
+    def __post_init__(self) -> None:
+        _check_int("pace.target_groups", self.target_groups, 1)
+        _check_float("pace.ema", self.ema, 0.0, 1.0, high_open=True)
+        if _check_float("pace.gamma", self.gamma, 0.0, math.inf) == 0.0:
+            raise ValueError(f"pace.gamma must be > 0, got {self.gamma!r}")
+
+
+@dataclass(frozen=True)
 class FilterConfig:
-    """Which staleness filter the pool applies, and its knobs (group units throughout)."""
+    """Which staleness filter the pool applies (group units throughout). Each filter's own knobs sit in
+    its section (`max_age`, `admission`, `pace`); only the chosen filter's section is read, so a sweep
+    over `name` can keep every section set."""
+
+    moved_keys: typing.ClassVar[dict[str, str]] = {
+        "max_age": "max_age.versions",
+        "max_offpolicyness": "admission.max_offpolicyness",
+        "target_groups": "pace.target_groups",
+        "ema": "pace.ema",
+        "gamma": "pace.gamma",
+    }
+    """Keys of earlier versions → where they live now (the config loader names the new place)."""
 
     name: FilterName = "pace"
     """`none`, `max_age`, `admission` (AReaL's η) or `pace` (PACE's adaptive rejection budget)."""
-    max_age: int = 4
-    """max_age: a group is rejected when any member has a token with v_now − v_t > max_age (prime-rl's
-    async level, NeMo-RL's age cap). >= 0."""
-    max_offpolicyness: int = 4
-    """admission: AReaL's η (`rollout.max_head_offpolicyness`); 0 is synchronous training. Counted in
-    training steps, skipped ones included (`admission_capacity`), so a skipped step never closes
-    admission. >= 0."""
-    target_groups: int = 8
-    """pace: P*, the target pool occupancy in groups; occupancy above it builds the rejection budget.
-    Batches are drawn in arrival order, so at occupancy P a group waits at most ⌈P/batch⌉ steps
-    (`TrajectoryPool.select`). >= 1."""
-    ema: float = 0.9
-    """pace: β, the EMA factor of the excess-occupancy rate e_t, in [0, 1) (0: no smoothing)."""
-    gamma: float = 4.0
-    """pace: γ, the exponent sharpening the drift percentile into the GS weight pct^γ. > 0."""
     max_concurrent_groups: int = 16
     """Groups in flight at most; every filter's `admission` honours it. >= 1."""
+    max_age: MaxAgeSettings = field(default_factory=MaxAgeSettings)
+    """max_age's own knobs."""
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    """admission's own knobs."""
+    pace: PaceSettings = field(default_factory=PaceSettings)
+    """pace's own knobs."""
 
     def __post_init__(self) -> None:
         if self.name not in FILTER_NAMES:
             raise ValueError(f"name must be one of {FILTER_NAMES}, got {self.name!r}")
-        _check_int("max_age", self.max_age, 0)
-        _check_int("max_offpolicyness", self.max_offpolicyness, 0)
-        _check_int("target_groups", self.target_groups, 1)
         _check_int("max_concurrent_groups", self.max_concurrent_groups, 1)
-        _check_float("ema", self.ema, 0.0, 1.0, high_open=True)
-        if _check_float("gamma", self.gamma, 0.0, math.inf) == 0.0:
-            raise ValueError(f"gamma must be > 0, got {self.gamma!r}")
 
 
 # -- pure functions ------------------------------------------------------------------------------------
@@ -569,7 +609,7 @@ class TrajectoryPool:
                 accepted_groups=self.accepted_groups,
                 batch_groups=batch_groups,
                 max_concurrent_groups=config.max_concurrent_groups,
-                max_offpolicyness=config.max_offpolicyness,
+                max_offpolicyness=config.admission.max_offpolicyness,
             )
         _check_int("trainer_steps", trainer_steps, 0)
         _check_int("batch_groups", batch_groups, 1)
@@ -581,7 +621,7 @@ class TrajectoryPool:
         """Apply the filter's rejections, then draw and remove up to `batch_groups` whole groups.
 
         `none`, `admission`: nothing rejected; the oldest groups first (FIFO). `max_age`: groups with a
-        token older than `max_age` versions are rejected (reason `max_age`); FIFO. `pace`: e_t and K_t
+        token older than `max_age.versions` versions are rejected (reason `max_age`); FIFO. `pace`: e_t, K_t
         from the occupancy before drawing (`pace_budget`), groups scored by the mean S_eff of their
         members, the K_t highest-scored rejected (reason `pace_budget`; score ties: the earlier arrival
         stays), then the batch drawn from the rest in arrival order (FIFO), returned in that order.
@@ -655,10 +695,10 @@ class TrajectoryPool:
         v_now: int,
         drift: DriftScorer | None,
     ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
-        """`max_age`: groups with a token older than `max_age` versions rejected, the rest drawn FIFO."""
+        """`max_age`: groups with a token older than `max_age.versions` versions rejected; FIFO draws."""
         if not rows.size:
             return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
-        too_old = np.maximum.reduceat(v_now - self._cols.v_min[rows], starts) > self.config.max_age
+        too_old = np.maximum.reduceat(v_now - self._cols.v_min[rows], starts) > self.config.max_age.versions
         return np.flatnonzero(too_old), np.flatnonzero(~too_old)[:batch_groups]
 
     def refresh_drift(self, v_now: int, drift: DriftScorer) -> int:
@@ -708,7 +748,10 @@ class TrajectoryPool:
         config, cols = self.config, self._cols
         occupancy = int(starts.size)
         rate, budget = pace_budget(
-            occupancy=occupancy, target=config.target_groups, ema=config.ema, previous=self.budget_ema
+            occupancy=occupancy,
+            target=config.pace.target_groups,
+            ema=config.pace.ema,
+            previous=self.budget_ema,
         )
         if not budget:  # nothing to reject: the scores would rank nothing, so nobody is scored
             self.budget_ema, self.last_budget = rate, 0
@@ -726,7 +769,7 @@ class TrajectoryPool:
             self.counts["drift_unscored"] += unscored
         # S_eff = WS where GS = 0, so only the stale members go through the weighting
         s_eff = (v_now - cols.v_done[rows]).astype(np.float64)
-        s_eff[stale_at] = effective_staleness(s_eff[stale_at], gs[stale_at], pct, config.gamma)
+        s_eff[stale_at] = effective_staleness(s_eff[stale_at], gs[stale_at], pct, config.pace.gamma)
         score = np.add.reduceat(s_eff, starts) / np.diff(starts, append=rows.size)
         # groups are in arrival order, so of tied scores the later arrival is rejected
         rejected, _ = _order_ends(score, 0, self.last_budget)
@@ -827,5 +870,5 @@ SELECTION_RULES: dict[FilterName, tuple[SelectionRule, str]] = {
     "pace": (TrajectoryPool._pace, "pace_budget"),
 }
 """`filter.name` → its selection rule and the reason its rejections are counted under. A new filter:
-its name in `FilterName`, its knobs in `FilterConfig`, a rule here (and, if it gates starts, a branch
-in `TrajectoryPool.admission`)."""
+its name in `FilterName`, its knobs in a section of `FilterConfig`, a rule here (and, if it gates
+starts, a branch in `TrajectoryPool.admission`)."""

@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeAlias
 
 from pacerl.lab.costs import InferenceConfig, TrainerConfig, WorkloadConfig, check_float, check_int
 from pacerl.settings import settings_into
-from trainer.pool import FilterConfig
+from trainer.pool import FilterConfig, PaceSettings
 
 Interrupt: TypeAlias = Literal["reprefill", "continue"]
 SyncBaseline: TypeAlias = Literal["colocated", "split"]
@@ -29,7 +29,7 @@ SyncBaseline: TypeAlias = Literal["colocated", "split"]
 
 def _default_filter() -> FilterConfig:
     # PACE's target: one batch waiting; in flight: eight batches, enough rows to keep the engines busy
-    return FilterConfig(name="pace", target_groups=32, max_concurrent_groups=256)
+    return FilterConfig(name="pace", max_concurrent_groups=256, pace=PaceSettings(target_groups=32))
 
 
 @dataclass(frozen=True)

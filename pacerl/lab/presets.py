@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pacerl.lab.config import SimConfig
 from pacerl.lab.costs import Distribution, InferenceConfig, TrainerConfig, WorkloadConfig
-from trainer.pool import FilterConfig
+from trainer.pool import AdmissionSettings, FilterConfig, PaceSettings
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,9 @@ def _areal() -> Preset:
         sync_steps=20,
         batch_groups=512,
         sync_interval=1,
-        filter=FilterConfig(name="admission", max_offpolicyness=4, max_concurrent_groups=2560),
+        filter=FilterConfig(
+            name="admission", max_concurrent_groups=2560, admission=AdmissionSettings(max_offpolicyness=4)
+        ),
         weight_sync_s=3.0,
         colocated_switch_s=10.0,
         interrupt="reprefill",
@@ -138,7 +140,9 @@ def _verl() -> Preset:
         sync_steps=40,
         batch_groups=128,
         sync_interval=4,
-        filter=FilterConfig(name="admission", max_offpolicyness=2, max_concurrent_groups=1024),
+        filter=FilterConfig(
+            name="admission", max_concurrent_groups=1024, admission=AdmissionSettings(max_offpolicyness=2)
+        ),
         weight_sync_s=5.0,
         colocated_switch_s=10.7,
         interrupt="reprefill",
@@ -206,7 +210,7 @@ def _pacerl_cpu() -> Preset:
         steps=200,
         batch_groups=16,
         sync_interval=1,
-        filter=FilterConfig(name="pace", target_groups=16, max_concurrent_groups=8),
+        filter=FilterConfig(name="pace", max_concurrent_groups=8, pace=PaceSettings(target_groups=16)),
         weight_sync_s=0.004,
         colocated_switch_s=0.0,
         interrupt="reprefill",

@@ -171,7 +171,8 @@ def bounds(config: SimConfig) -> Bounds:
     in_flight = config.filter.max_concurrent_groups * workload.group_size
     if config.filter.name == "admission":
         in_flight = min(
-            in_flight, (config.filter.max_offpolicyness + 1) * config.batch_groups * workload.group_size
+            in_flight,
+            (config.filter.admission.max_offpolicyness + 1) * config.batch_groups * workload.group_size,
         )
     kv_rows = inference.admit_kv_fraction * inference.kv_capacity_tokens / mean_context
     rows = max(1.0, min(float(inference.max_running), kv_rows, in_flight / config.engines))

@@ -110,20 +110,22 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         raw = getattr(args, key)
         if raw is not None:
             data[key] = _integer(option, raw, minimum)
-    for key, option, minimum in (
-        ("max_concurrent_groups", "--max-concurrent-groups", 1),
-        ("max_offpolicyness", "--max-offpolicyness", 0),
-        ("max_age", "--max-age", 0),
-        ("target_groups", "--target-groups", 1),
+    # flag -> (the filter's section, or "" for the filter itself; key)
+    for attribute, option, minimum, (section, key) in (
+        ("max_concurrent_groups", "--max-concurrent-groups", 1, ("", "max_concurrent_groups")),
+        ("max_offpolicyness", "--max-offpolicyness", 0, ("admission", "max_offpolicyness")),
+        ("max_age", "--max-age", 0, ("max_age", "versions")),
+        ("target_groups", "--target-groups", 1, ("pace", "target_groups")),
     ):
-        raw = getattr(args, key)
+        raw = getattr(args, attribute)
         if raw is not None:
-            filter_[key] = _integer(option, raw, minimum)
+            place = filter_.setdefault(section, {}) if section else filter_
+            place[key] = _integer(option, raw, minimum)
     if args.filter is not None:
         filter_["name"] = _choice("--filter", args.filter, FILTERS)
     if "batch_groups" in data:
         filter_.setdefault("max_concurrent_groups", 8 * data["batch_groups"])
-        filter_.setdefault("target_groups", data["batch_groups"])
+        filter_.setdefault("pace", {}).setdefault("target_groups", data["batch_groups"])
     if filter_:
         data["filter"] = filter_
     if args.group_size is not None:

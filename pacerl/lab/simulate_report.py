@@ -232,7 +232,7 @@ def _utilization_figure(result: SimResult) -> Figure:
         range(1, len(run.step_pool_groups) + 1), run.step_pool_groups, where="post", label="async pool"
     )
     if result.config.filter.name == "pace":
-        target = result.config.filter.target_groups
+        target = result.config.filter.pace.target_groups
         pool_ax.axhline(target, color="grey", linestyle=":", label=f"PACE target ({target})")
     pool_ax.set_xlabel("step")
     pool_ax.set_ylabel("groups waiting at the draw")

@@ -225,7 +225,7 @@ def test_calibrate_runs_a_grid_writes_its_report_and_resumes(
         "sft": {"steps": 4, "batch_size": 8},
         "rollout": {"group_size": 4, "sampling": {"max_new_tokens": 8}},
         "loop": {"batch_groups": 2},
-        "filter": {"target_groups": 2, "max_concurrent_groups": 2},
+        "filter": {"pace": {"target_groups": 2}, "max_concurrent_groups": 2},
     }
     config = tmp_path / "run.json"
     config.write_text(json.dumps(settings))

@@ -23,7 +23,14 @@ from pacerl.lab.presets import PRESETS
 from pacerl.lab.results import bounds
 from pacerl.lab.traces import workload_from_trace
 from pacerl.settings import config_to_dict
-from trainer.pool import FILTER_NAMES, FilterConfig, staleness_summary
+from trainer.pool import (
+    FILTER_NAMES,
+    AdmissionSettings,
+    FilterConfig,
+    MaxAgeSettings,
+    PaceSettings,
+    staleness_summary,
+)
 
 # Every response 100 tokens after a 10-token prompt, one turn: a wave of 8 rows on an engine takes
 # 100 steps of τ(8) = 0.01 + 8 · 0.001 = 0.018 s, i.e. 1.8 s, and nothing else costs time.
@@ -183,7 +190,7 @@ def test_max_age_never_trains_older_tokens() -> None:
         workload=long_tail,
         trainer=fast,
         inference=dataclasses.replace(ENGINE, max_running=64),
-        filter=FilterConfig(name="max_age", max_age=1, max_concurrent_groups=16),
+        filter=FilterConfig(name="max_age", max_concurrent_groups=16, max_age=MaxAgeSettings(versions=1)),
     )
     run = simulate_mode(config, "async")
     assert run.rejected_groups["max_age"] > 0
@@ -198,7 +205,11 @@ def test_admission_caps_groups_in_flight_at_areals_capacity() -> None:
         config = small(
             steps=20,
             inference=dataclasses.replace(ENGINE, max_running=256),
-            filter=FilterConfig(name="admission", max_offpolicyness=eta, max_concurrent_groups=1000),
+            filter=FilterConfig(
+                name="admission",
+                max_concurrent_groups=1000,
+                admission=AdmissionSettings(max_offpolicyness=eta),
+            ),
         )
         run = simulate_mode(config, "async")
         assert run.max_outstanding_groups == (eta + 1) * 2
@@ -206,7 +217,11 @@ def test_admission_caps_groups_in_flight_at_areals_capacity() -> None:
     # η = 0 keeps every token on the trainer's version when it was generated (the sync limit)
     assert (
         simulate_mode(
-            dataclasses.replace(config, filter=FilterConfig(name="admission", max_offpolicyness=0)), "async"
+            dataclasses.replace(
+                config,
+                filter=FilterConfig(name="admission", admission=AdmissionSettings(max_offpolicyness=0)),
+            ),
+            "async",
         ).staleness.max_staleness
         <= 1
     )
@@ -217,7 +232,9 @@ def test_pace_rejections_are_counted() -> None:
     config = small(
         steps=30,
         trainer=slow,
-        filter=FilterConfig(name="pace", target_groups=2, ema=0.0, max_concurrent_groups=4),
+        filter=FilterConfig(
+            name="pace", max_concurrent_groups=4, pace=PaceSettings(target_groups=2, ema=0.0)
+        ),
     )
     run = simulate_mode(config, "async")
     rejected = run.rejected_groups["pace_budget"]

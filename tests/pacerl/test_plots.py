@@ -25,7 +25,9 @@ def _write_run(run_dir: Path, steps: int = 30) -> None:
     reason that first appears at step 10, a non-finite grad norm, and an evaluation row every 10 steps."""
     rng = np.random.default_rng(0)
     (run_dir / "config.json").parent.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps({"filter": {"name": "pace", "target_groups": 4}}))
+    (run_dir / "config.json").write_text(
+        json.dumps({"filter": {"name": "pace", "pace": {"target_groups": 4}}})
+    )
     with MetricsWriter(run_dir, tensorboard=False) as writer:
         version = 0
         for step in range(1, steps + 1):

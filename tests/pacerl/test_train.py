@@ -76,7 +76,7 @@ def test_sigkill_and_resume_lose_no_trajectory_and_train_none_twice(
         run_dir,
         rollout={"group_size": 4},
         loop={"steps": 10, "batch_groups": 4, "checkpoint_every": 2},
-        filter={"target_groups": 4, "max_concurrent_groups": 6},
+        filter={"pace": {"target_groups": 4}, "max_concurrent_groups": 6},
     )
     config_file = tmp_path / "config.json"
     config_file.write_text(json.dumps(config))
@@ -247,7 +247,7 @@ def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:
         "loop.steps=2",
         "loop.batch_groups=2",
         "rollout.group_size=4",
-        "filter.target_groups=2",
+        "filter.pace.target_groups=2",
         "filter.max_concurrent_groups=2",
         "evaluation.every=1",
         "evaluation.settings.max_tasks=8",

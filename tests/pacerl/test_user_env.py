@@ -131,7 +131,7 @@ def test_the_cli_evaluates_and_trains_a_users_env(user_module: Path, tmp_path: P
     run_dir = tmp_path / "run"
     settings = [
         f"env.id={ENV_ID}", f"run_dir={run_dir}", "loop.steps=2", "loop.batch_groups=2",
-        "rollout.group_size=2", "filter.target_groups=2", "filter.max_concurrent_groups=2",
+        "rollout.group_size=2", "filter.pace.target_groups=2", "filter.max_concurrent_groups=2",
         "evaluation.every=0", "evaluation.at_start=false",
     ]  # fmt: skip
     unevaluated = cli(user_module, "train", *settings)

@@ -108,7 +108,7 @@ def test_killed_engine_replica_and_env_worker_lose_no_trajectory(
             evaluation={"every": 0},
             rollout={"group_size": 4},
             loop={"steps": 10, "batch_groups": 4},
-            filter={"target_groups": 4, "max_concurrent_groups": 6},
+            filter={"pace": {"target_groups": 4}, "max_concurrent_groups": 6},
         )
     )
     killed: list[str] = []

@@ -13,7 +13,7 @@ from agents.models import TinyMoEConfig, build_tiny_moe
 from agents.routing import RoutedExperts
 from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Status, Trajectory
-from trainer.learner import LOSSES, Learner, LearnerConfig, LossConfig
+from trainer.learner import LOSSES, GSPOSettings, Learner, LearnerConfig, LossConfig
 
 
 def small_model() -> torch.nn.Module:
@@ -95,7 +95,7 @@ def test_every_loss_takes_a_finite_step_that_favours_the_rewarded_response(loss:
 def test_all_equal_rewards_and_empty_responses_skip_without_touching_the_weights() -> None:
     model = small_model()
     # Anchored at its own log-probs: the made-up behaviour log-probs would put every ratio outside the clip.
-    learner = Learner(model, LearnerConfig(loss=LossConfig(ratio_anchor="recompute")))
+    learner = Learner(model, LearnerConfig(loss=LossConfig(gspo=GSPOSettings(ratio_anchor="recompute"))))
     before = parameters(model)
     equal = [[make_trajectory("a/0", "a", 1.0, [20]), make_trajectory("a/1", "a", 1.0, [21])]]
     result = learner.train_step(equal)

@@ -13,7 +13,15 @@ import torch
 from agents.trajectory import Status, Trajectory
 from pacerl.config import ConfigError, load_config
 from tests.trainer.test_learner import small_model
-from trainer.learner import LOSSES, Learner, LearnerConfig, LossConfig
+from trainer.learner import (
+    LOSSES,
+    DecoupledPPOSettings,
+    GRPOSettings,
+    GSPOSettings,
+    Learner,
+    LearnerConfig,
+    LossConfig,
+)
 
 RAGGED = [(40, 3, 25, 4), (17, 17, 9, 31), (2, 40, 3, 25), (4, 17, 9, 31), (31, 2, 2, 40), (9, 3, 17, 25)]
 """Six groups of four responses whose lengths differ by up to 20× within and across groups."""
@@ -107,7 +115,11 @@ def test_the_gradient_does_not_depend_on_the_micro_batch_size(
             parameter.add_(0.05 * torch.randn_like(parameter))
     gradients, metrics = {}, {}
     for size in (64, 1, 5):
-        config = LossConfig(name=loss, sat=sat, aggregation=aggregation, **coefficients)  # type: ignore[arg-type]
+        own: dict[str, object] = {
+            "grpo": {"grpo": GRPOSettings(aggregation=aggregation)},  # type: ignore[arg-type]
+            "decoupled_ppo": {"decoupled_ppo": DecoupledPPOSettings(aggregation=aggregation)},  # type: ignore[arg-type]
+        }.get(loss, {})
+        config = LossConfig(name=loss, sat=sat, **own, **coefficients)  # type: ignore[arg-type]
         learner = Learner(copy.deepcopy(model), LearnerConfig(loss=config, micro_batch_size=size))
         if learner.reference is not None:
             learner.reference.load_state_dict(reference_model.state_dict())
@@ -141,8 +153,8 @@ def test_the_sat_quantile_is_the_batchs_not_each_micro_batchs() -> None:
     "config",
     [
         LossConfig(name="decoupled_ppo", sat=False),
-        LossConfig(name="grpo", sat=False, ratio_anchor="recompute"),
-        LossConfig(name="gspo", sat=False, ratio_anchor="recompute"),
+        LossConfig(name="grpo", sat=False, grpo=GRPOSettings(ratio_anchor="recompute")),
+        LossConfig(name="gspo", sat=False, gspo=GSPOSettings(ratio_anchor="recompute")),
     ],
     ids=["decoupled_ppo", "grpo-recompute", "gspo-recompute"],
 )
@@ -263,9 +275,11 @@ def test_training_refuses_truncated_sampling_and_takes_the_update_plan_from_the_
 
 
 def test_a_max_age_below_the_publication_lag_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"filter\.max_age \(0\) must be >= loop\.sync_interval - 1 \(2\)"):
-        load_config(None, ["filter.name=max_age", "filter.max_age=0", "loop.sync_interval=3"])
-    assert load_config(None, ["filter.name=max_age", "filter.max_age=2", "loop.sync_interval=3"])
+    with pytest.raises(
+        ConfigError, match=r"filter\.max_age\.versions \(0\) must be >= loop\.sync_interval - 1 \(2\)"
+    ):
+        load_config(None, ["filter.name=max_age", "filter.max_age.versions=0", "loop.sync_interval=3"])
+    assert load_config(None, ["filter.name=max_age", "filter.max_age.versions=2", "loop.sync_interval=3"])
 
 
 def test_every_loss_name_has_one_registered_function() -> None:
@@ -274,3 +288,25 @@ def test_every_loss_name_has_one_registered_function() -> None:
     assert tuple(POLICY_LOSSES) == LOSSES == ("gspo", "gspo_token", "grpo", "decoupled_ppo", "gmc")
     with pytest.raises(ValueError, match="loss name must be one of"):
         LossConfig(name="ppo")  # type: ignore[arg-type]
+
+
+def test_each_loss_reads_its_own_section() -> None:
+    assert LossConfig(name="grpo", grpo=GRPOSettings(aggregation="sequence")).aggregation == "sequence"
+    assert LossConfig(name="decoupled_ppo").aggregation == "token"
+    assert LossConfig(name="gspo").aggregation == "sequence"
+    assert (
+        LossConfig(name="gspo_token", gspo=GSPOSettings(ratio_anchor="recompute")).ratio_anchor == "recompute"
+    )
+    assert LossConfig(name="gmc").ratio_anchor is None
+    # another loss's section is inert (a sweep over names keeps every section)
+    assert LossConfig(name="decoupled_ppo", grpo=GRPOSettings(aggregation="sequence")).aggregation == "token"
+    with pytest.raises(ValueError, match=r"decoupled_ppo\.weight_cap must be > 1"):
+        DecoupledPPOSettings(weight_cap=1.0)
+    with pytest.raises(
+        ConfigError, match=r"learner.loss.weight_cap moved to learner.loss.decoupled_ppo.weight_cap"
+    ):
+        load_config(None, ["learner.loss.weight_cap=3"])
+    with pytest.raises(ConfigError, match=r"learner.loss.gmc_eps moved to learner.loss.gmc.eps"):
+        load_config(None, ["learner.loss.gmc_eps=0.3"])
+    config = load_config(None, ["learner.loss.name=decoupled_ppo", "learner.loss.decoupled_ppo.weight_cap=3"])
+    assert config.learner.loss.decoupled_ppo.weight_cap == 3.0

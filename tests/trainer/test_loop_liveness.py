@@ -23,7 +23,15 @@ from envs import Task
 from tests.scripted import ScriptedEngineBase
 from trainer.learner import StepResult
 from trainer.loop import LoopConfig, Run, train_async
-from trainer.pool import FILTER_NAMES, FilterConfig, FilterName, TrajectoryPool
+from trainer.pool import (
+    FILTER_NAMES,
+    AdmissionSettings,
+    FilterConfig,
+    FilterName,
+    MaxAgeSettings,
+    PaceSettings,
+    TrajectoryPool,
+)
 
 HANG_S = 60.0
 """Bound on a run of a few steps that finishes in milliseconds: reaching it means the loop hung."""
@@ -153,7 +161,11 @@ async def run_bounded(run: Run) -> dict[str, Any]:
 
 def filter_config(name: FilterName, eta: int) -> FilterConfig:
     return FilterConfig(
-        name=name, max_offpolicyness=eta, target_groups=BATCH_GROUPS, max_concurrent_groups=4, max_age=4
+        name=name,
+        max_concurrent_groups=4,
+        admission=AdmissionSettings(max_offpolicyness=eta),
+        pace=PaceSettings(target_groups=BATCH_GROUPS),
+        max_age=MaxAgeSettings(versions=4),
     )
 
 
@@ -202,12 +214,14 @@ async def test_max_age_below_the_publication_lag_ends_the_run_with_one_line(
     """max_age 0 with weights published every 2 updates: after the first update the engine serves
     version 0 to a trainer at version 1, so every group is rejected for good."""
     learner = FakeLearner(skips)
-    run = make_run(tmp_path, FilterConfig(name="max_age", max_age=0), learner, sync_interval=2)
+    run = make_run(
+        tmp_path, FilterConfig(name="max_age", max_age=MaxAgeSettings(versions=0)), learner, sync_interval=2
+    )
     with pytest.raises(RuntimeError) as raised:
         await run_bounded(run)
     message = str(raised.value)
     assert len(message.splitlines()) == 1
-    assert "max_age=0 rejects every group" in message and "sync_interval=2" in message
+    assert "max_age.versions=0 rejects every group" in message and "sync_interval=2" in message
     updated_at = len(skips) + 1  # the first step that updates
     assert message.startswith(f"no batch can ever form at step {updated_at + 1}:")
     assert run.step == learner.calls == updated_at and learner.version == 1

@@ -14,8 +14,11 @@ import pytest
 
 from agents.trajectory import Status, Trajectory
 from trainer.pool import (
+    AdmissionSettings,
     FilterConfig,
     FilterName,
+    MaxAgeSettings,
+    PaceSettings,
     TrajectoryPool,
     _order_ends,
     admission_capacity,
@@ -88,21 +91,21 @@ def no_drift_call(batch: Sequence[Trajectory]) -> list[float]:
 
 def test_filter_config_validates_ranges() -> None:
     assert FilterConfig().name == "pace"
-    for bad in (
-        {"name": "fifo"},
-        {"max_age": -1},
-        {"max_offpolicyness": -1},
-        {"target_groups": 0},
-        {"ema": 1.0},
-        {"ema": -0.1},
-        {"gamma": 0.0},
-        {"gamma": math.inf},
-        {"max_concurrent_groups": 0},
-        {"max_age": True},
-        {"target_groups": 2.5},
+    for make, bad in (
+        (FilterConfig, {"name": "fifo"}),
+        (FilterConfig, {"max_concurrent_groups": 0}),
+        (MaxAgeSettings, {"versions": -1}),
+        (MaxAgeSettings, {"versions": True}),
+        (AdmissionSettings, {"max_offpolicyness": -1}),
+        (PaceSettings, {"target_groups": 0}),
+        (PaceSettings, {"target_groups": 2.5}),
+        (PaceSettings, {"ema": 1.0}),
+        (PaceSettings, {"ema": -0.1}),
+        (PaceSettings, {"gamma": 0.0}),
+        (PaceSettings, {"gamma": math.inf}),
     ):
-        with pytest.raises(ValueError):
-            FilterConfig(**bad)
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            make(**bad)
 
 
 def test_admission_capacity_by_hand() -> None:
@@ -267,7 +270,7 @@ def test_staleness_summary_by_hand() -> None:
 
 
 def test_pace_rejects_the_largest_effective_staleness_and_draws_in_arrival_order() -> None:
-    pool = pool_of(FilterConfig(name="pace", target_groups=2, ema=0.5, gamma=4.0))
+    pool = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=2, ema=0.5, gamma=4.0)))
     drift = RecordingDrift(DRIFT)
     batch = pool.select(2, 10, drift)
     # only GS > 0 members are re-scored, once, in arrival order
@@ -287,7 +290,7 @@ def test_pace_rejects_the_largest_effective_staleness_and_draws_in_arrival_order
 
 
 def test_pace_without_drift_counts_full_generation_staleness() -> None:
-    pool = pool_of(FilterConfig(name="pace", target_groups=2, ema=0.5))
+    pool = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=2, ema=0.5)))
     batch = pool.select(2, 10)
     # unscored GS > 0 members take pct = 1: C = ((1 + 4) + (1 + 4))/2 = 5 is now the largest score
     assert pool.rejected_ids == ["C/0", "C/1"]
@@ -297,7 +300,7 @@ def test_pace_without_drift_counts_full_generation_staleness() -> None:
 
 
 def test_pace_budget_stops_once_the_pool_is_back_at_target() -> None:
-    pool = pool_of(FilterConfig(name="pace", target_groups=2, ema=0.5))
+    pool = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=2, ema=0.5)))
     pool.select(2, 10, RecordingDrift(DRIFT))
     assert ids(pool.select(2, 10, no_drift_call)) == ["D"]  # K = 0: nothing to rank, no call
     # P = 1 < P*: e = 0.5·0.25 = 0.125 decays, but K = 0: a pool under target is never thinned
@@ -307,9 +310,9 @@ def test_pace_budget_stops_once_the_pool_is_back_at_target() -> None:
 
 def test_pace_drift_is_cached_per_version_and_asked_only_for_a_budget() -> None:
     drift = RecordingDrift({**DRIFT, "E/0": 0.2})
-    pool = pool_of(FilterConfig(name="pace", target_groups=8))  # P = 4 <= P*: K = 0
+    pool = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=8)))  # P = 4 <= P*: K = 0
     assert ids(pool.select(1, 10, drift)) == ["A"] and drift.calls == []  # nothing to rank: no call
-    pool = pool_of(FilterConfig(name="pace", target_groups=3, ema=0.0))
+    pool = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=3, ema=0.0)))
     # P = 4: e = 1/4, K = 1 rejects A (score 2); B is drawn; the GS > 0 members are scored once
     assert ids(pool.select(1, 10, drift)) == ["B"] and pool.rejected_ids == ["A/0", "A/1"]
     assert drift.calls == [["B/0", "C/0", "C/1"]]
@@ -330,12 +333,12 @@ def test_pace_drift_is_cached_per_version_and_asked_only_for_a_budget() -> None:
 
 
 def test_pace_ties_are_rejected_latest_first_and_the_rest_drawn_in_arrival_order() -> None:
-    pool = pool_of(FilterConfig(name="pace", target_groups=3, ema=0.0))
+    pool = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=3, ema=0.0)))
     pool.add_group([traj("F/0", "F", [(10, 1)], 10)])  # score 0, like D but later
     # P = 5: e = 2/5, K = 2 rejects A (2) and C (1.125); B (0.25), D and F (0) drawn in arrival order
     assert ids(pool.select(3, 10, RecordingDrift(DRIFT))) == ["B", "D", "F"]
     assert pool.rejected_ids == ["A/0", "A/1", "C/0", "C/1"]
-    tied = pool_of(FilterConfig(name="pace", target_groups=1, ema=0.0), [hand_groups()[3]])
+    tied = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=1, ema=0.0)), [hand_groups()[3]])
     tied.add_group([traj("F/0", "F", [(10, 1)], 10)])  # P = 2, K = 1: D and F tie at 0
     assert ids(tied.select(1, 10)) == ["D"] and tied.rejected_ids == ["F/0"]
 
@@ -344,7 +347,7 @@ def test_pace_at_or_below_target_leaves_no_group_behind() -> None:
     """Four groups pooled, then two in and two out per step at occupancy 6 <= P* = 8 (K = 0 throughout):
     every group leaves within ⌈P/b⌉ = ⌈6/2⌉ = 3 selects of its arrival, so none waits more than 3
     versions, the first four included."""
-    pool = TrajectoryPool(FilterConfig(name="pace", target_groups=8))
+    pool = TrajectoryPool(FilterConfig(name="pace", pace=PaceSettings(target_groups=8)))
     arrived: dict[str, int] = {}
     for n in range(4):
         pool.add_group([traj(f"g{n}/0", f"g{n}", [(0, 2)], 0)])
@@ -373,7 +376,11 @@ def test_every_group_leaves_the_pool_within_the_bound(name: FilterName, target: 
     400 steps whose arrivals (0 to 2b a step, b on average) match the b drawn a step."""
     rng = random.Random(7)
     batch = 4
-    pool = TrajectoryPool(FilterConfig(name=name, max_age=3, target_groups=target, ema=0.5))
+    pool = TrajectoryPool(
+        FilterConfig(
+            name=name, max_age=MaxAgeSettings(versions=3), pace=PaceSettings(target_groups=target, ema=0.5)
+        )
+    )
     m = min(batch, target) if name == "pace" else batch
     deadline: dict[str, int] = {}  # group -> the last select it may still be pooled before
     number = 0
@@ -393,14 +400,14 @@ def test_every_group_leaves_the_pool_within_the_bound(name: FilterName, target: 
 
 
 def test_max_age_rejects_groups_with_an_old_token_then_fifo() -> None:
-    pool = pool_of(FilterConfig(name="max_age", max_age=4))
+    pool = pool_of(FilterConfig(name="max_age", max_age=MaxAgeSettings(versions=4)))
     batch = pool.select(2, 10, no_drift_call)  # drift is pace's only
     assert pool.rejections == {"max_age": 1}  # C has tokens of version 5: 10 - 5 = 5 > 4
     assert pool.rejected_ids == ["C/0", "C/1"]
     assert ids(batch) == ["A", "B"]
     assert pool.group_ids() == ["D"]
     # at the cap exactly (10 - 5 = 5 = max_age) the group stays
-    pool = pool_of(FilterConfig(name="max_age", max_age=5))
+    pool = pool_of(FilterConfig(name="max_age", max_age=MaxAgeSettings(versions=5)))
     assert ids(pool.select(4, 10)) == ["A", "B", "C", "D"]
     assert pool.rejections == {}
 
@@ -414,7 +421,11 @@ def test_unfiltered_draws_are_fifo(name: str) -> None:
 
 
 def test_admission_capacity_only_under_the_admission_filter() -> None:
-    areal = pool_of(FilterConfig(name="admission", max_offpolicyness=1, max_concurrent_groups=16))
+    areal = pool_of(
+        FilterConfig(
+            name="admission", max_concurrent_groups=16, admission=AdmissionSettings(max_offpolicyness=1)
+        )
+    )
     assert areal.accepted_groups == 4
     # v 0, B 2, running 1: min(16 - 1, (1 + 0 + 1)·2 - (4 + 1)) = min(15, -1) -> 0
     assert areal.admission(0, running_groups=1, batch_groups=2) == 0
@@ -434,7 +445,7 @@ def test_admission_capacity_only_under_the_admission_filter() -> None:
 def test_a_member_without_model_tokens_is_pooled_with_no_generation_staleness() -> None:
     failed = Trajectory.start("G/1", "G", "task", [1, 2])
     failed.finish(Status.FAILED, reason="engine failed", reward=None, completed_version=3, completed_at=1.0)
-    pool = TrajectoryPool(FilterConfig(name="max_age", max_age=0))
+    pool = TrajectoryPool(FilterConfig(name="max_age", max_age=MaxAgeSettings(versions=0)))
     pool.add_group([traj("G/0", "G", [(3, 2)], 3), failed])
     assert pool.num_trajectories == 2
     assert [len(group) for group in pool.select(1, 3)] == [2]  # no token is older than 0 versions
@@ -461,7 +472,7 @@ def random_scores(batch: Sequence[Trajectory]) -> list[float]:
 @pytest.mark.parametrize("name", ["none", "max_age", "admission", "pace"])
 def test_groups_stay_whole_and_no_trajectory_is_lost(name: str) -> None:
     rng = random.Random(0)
-    config = FilterConfig(name=name, max_age=5, target_groups=15)  # type: ignore[arg-type]
+    config = FilterConfig(name=name, max_age=MaxAgeSettings(versions=5), pace=PaceSettings(target_groups=15))  # type: ignore[arg-type]
     pool = TrajectoryPool(config)
     added: dict[str, list[str]] = {}
     drawn: list[str] = []
@@ -509,7 +520,9 @@ def test_precomputed_staleness_matches_the_record_across_compaction() -> None:
 
 
 def test_rejected_ids_are_bounded() -> None:
-    pool = TrajectoryPool(FilterConfig(name="max_age", max_age=0), max_rejected_ids=3)
+    pool = TrajectoryPool(
+        FilterConfig(name="max_age", max_age=MaxAgeSettings(versions=0)), max_rejected_ids=3
+    )
     for group in hand_groups():
         pool.add_group(group)
     pool.select(1, 10)  # A, B and C hold tokens older than v 10: 6 trajectories rejected
@@ -519,7 +532,7 @@ def test_rejected_ids_are_bounded() -> None:
 
 
 def test_state_dict_round_trip_is_exact() -> None:
-    config = FilterConfig(name="pace", target_groups=2, ema=0.5)
+    config = FilterConfig(name="pace", pace=PaceSettings(target_groups=2, ema=0.5))
     pool = pool_of(config, [*hand_groups(), [traj("E/0", "E", [(6, 2), (9, 1)], 9)]])
     pool.select(1, 10, RecordingDrift(DRIFT | {"E/0": 0.2}))
     state = json.loads(json.dumps(pool.state_dict(), allow_nan=False))
@@ -555,7 +568,9 @@ def test_load_state_dict_rejects_a_bad_state_and_keeps_the_pool() -> None:
 
 
 def test_bad_input_raises() -> None:
-    pool = pool_of(FilterConfig(target_groups=2, ema=0.0))  # K = 2: the drift scorer is asked
+    pool = pool_of(
+        FilterConfig(pace=PaceSettings(target_groups=2, ema=0.0))
+    )  # K = 2: the drift scorer is asked
     running = Trajectory.start("R/0", "R", "task", [1])
     with pytest.raises(ValueError, match="unfinished"):
         pool.add_group([running])
@@ -592,7 +607,7 @@ def test_pace_scores_a_group_by_its_members_mean() -> None:
     # GS = 0 everywhere, so S_eff = WS = 10 - v_done. X (one member): 3; Y (two): 5 and 0, mean 2.5;
     # Z (three): 2, 2, 2, mean 2. P = 3, P* = 2, β = 0: e = 1/3, K = round(1) = 1 rejects X, the largest
     # mean. The max (Y: 5), the sum (Z: 6) or the sum times the size (Z: 18) would reject another group.
-    pool = TrajectoryPool(FilterConfig(name="pace", target_groups=2, ema=0.0))
+    pool = TrajectoryPool(FilterConfig(name="pace", pace=PaceSettings(target_groups=2, ema=0.0)))
     pool.add_group([traj("X/0", "X", [(7, 1)], 7)])
     pool.add_group([traj("Y/0", "Y", [(5, 1)], 5), traj("Y/1", "Y", [(10, 1)], 10)])
     pool.add_group([traj(f"Z/{i}", "Z", [(8, 1)], 8) for i in range(3)])
@@ -601,7 +616,7 @@ def test_pace_scores_a_group_by_its_members_mean() -> None:
 
 
 def test_pool_counters_add_up_over_selects() -> None:
-    pool = pool_of(FilterConfig(name="pace", target_groups=2, ema=0.5))
+    pool = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=2, ema=0.5)))
     assert ids(pool.select(2, 10)) == ["A", "B"]  # as in the test without drift: C rejected, D stays
     assert (pool.counts["drawn_groups"], pool.counts["drift_unscored"]) == (2, 3)
     pool.add_group([traj("E/0", "E", [(9, 1), (10, 1)], 10)])  # GS (1 + 0)/2 = 0.5, unscored: pct 1
