@@ -459,5 +459,9 @@ def served_report(
 
 
 def _brief(error: Exception) -> str:
-    text = getattr(error, "message", None) or str(error) or type(error).__name__
+    """The server's own message when its error body has one (the API's `{"error": {"message"}}`)."""
+    body = getattr(error, "body", None)
+    text = body.get("message") if isinstance(body, dict) else None
+    if not isinstance(text, str) or not text:
+        text = getattr(error, "message", None) or str(error) or type(error).__name__
     return text if len(text) <= 300 else text[:300] + "..."
