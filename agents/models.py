@@ -306,7 +306,8 @@ MOE_ADAPTERS: dict[str, MoEAdapter] = {
     "gpt_oss": MoEAdapter(GptOssTopKRouter, "mlp.router", _chosen_softmax_weights),
     "granitemoe": MoEAdapter(GraniteMoeTopKRouter, "block_sparse_moe.router", _chosen_softmax_weights),
 }
-"""R3 adapters by transformers `model_type`: adding a family is one entry (see docs/models.md)."""
+"""R3 adapters by transformers `model_type`: adding a family is one entry (docs/training.md,
+"MoE families")."""
 
 MOE_FAMILIES: tuple[str, ...] = tuple(MOE_ADAPTERS)
 """The MoE families R3 supports (`moe_info` understands)."""
@@ -339,7 +340,8 @@ def _unsupported(family: object, reason: str) -> UnsupportedMoEError:
     return UnsupportedMoEError(
         f"{family!r} is a mixture-of-experts model, but {reason}: R3 routing replay cannot reach its "
         f"routers. Supported MoE families: {', '.join(MOE_FAMILIES)}. Add an adapter to "
-        "agents.models.MOE_ADAPTERS (docs/models.md), or train without R3 (learner.routing_replay=false)."
+        "agents.models.MOE_ADAPTERS (docs/training.md, MoE families), or train without R3 "
+        "(learner.routing_replay=false)."
     )
 
 
