@@ -58,6 +58,10 @@ class EvalConfig:
     """K: episodes sampled per task."""
     temperature: float = 0.7
     """Sampling temperature of every turn; 0 is greedy, and then `samples` must be 1."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1] (evaluation may truncate the distribution; training may not)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only; 0 keeps all."""
     max_new_tokens: int = 40
     """Tokens generated per assistant turn at most."""
     max_total_tokens: int = 256
@@ -90,6 +94,8 @@ class EvalConfig:
             problems.append(
                 f"temperature 0 is greedy: every sample would be the same; use samples=1, got {self.samples}"
             )
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            problems.append(f"top_p must be in (0, 1] and top_k >= 0, got {self.top_p} and {self.top_k}")
         if self.max_new_tokens < 1 or self.max_total_tokens < 2:
             problems.append("max_new_tokens must be >= 1 and max_total_tokens >= 2")
         if any(not 1 <= k <= self.samples for k in self.ks):
@@ -113,7 +119,11 @@ class EvalConfig:
         """The driver's config: K samples per task as one group, failed episodes kept (they count as
         incorrect; dropping their group would flatter the model), no routes (nothing trains on them)."""
         sampling = SamplingParams(
-            max_new_tokens=self.max_new_tokens, temperature=self.temperature, stop_strings=self.stop_strings
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop_strings=self.stop_strings,
         )
         return RolloutConfig(
             group_size=self.samples,

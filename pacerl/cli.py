@@ -16,8 +16,10 @@ from pacerl.evaluate import add_eval_parser
 from pacerl.lab.calibrate_cli import add_calibrate_parser
 from pacerl.lab.simulate_cli import add_simulate_parser
 from pacerl.plots import add_plot_parser
+from pacerl.serve_openai import add_serve_openai_parser
 from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
 from sandbox._http_guard import HttpGuardConfig
+from sandbox.limits import RequestMaxima
 
 _GUARD_FLAGS = {
     "max_body_bytes": ("--max-body-bytes", int, "largest request body; longer is HTTP 413"),
@@ -70,7 +72,7 @@ _RETRIEVER_FLAGS = {
 
 def _add_limit_flags(parser: argparse.ArgumentParser, per_request_maximum: bool = False) -> None:
     defaults = Limits()
-    suffix = " (the most a request may ask for)" if per_request_maximum else ""
+    suffix = " a request gets when it asks for none (default: %(default)s)" if per_request_maximum else ""
     parser.add_argument(
         "--timeout", type=float, default=defaults.timeout_s, help="wall-clock seconds" + suffix
     )
@@ -79,6 +81,15 @@ def _add_limit_flags(parser: argparse.ArgumentParser, per_request_maximum: bool 
     )
     parser.add_argument("--max-processes", type=int, default=defaults.max_processes)
     parser.add_argument("--output-cap", type=int, default=defaults.output_cap_bytes, help="bytes kept")
+    if per_request_maximum:
+        maxima = RequestMaxima()
+        cap = "; more is capped, and the answer says so (default: %(default)s)"
+        parser.add_argument(
+            "--max-timeout", type=float, default=maxima.timeout_s, help="most run_timeout honoured" + cap
+        )
+        parser.add_argument(
+            "--max-memory-mb", type=int, default=maxima.memory_mb, help="most memory_limit_MB honoured" + cap
+        )
 
 
 def _limits(args: argparse.Namespace) -> Limits:
@@ -127,6 +138,7 @@ def cmd_serve_sandbox(args: argparse.Namespace) -> int:
         options=_backend_options(args.option),
         max_queue=args.max_queue,
         guard=_http_guard(args, GUARD),
+        maxima=RequestMaxima(timeout_s=args.max_timeout, memory_mb=args.max_memory_mb),
     )
     return 0
 
@@ -277,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_sglang.add_argument("extra", nargs="*", help="after --: more sglang.launch_server arguments")
     serve_sglang.set_defaults(handler=cmd_serve_sglang)
+    add_serve_openai_parser(serve)
     return parser
 
 

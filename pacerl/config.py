@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agents.engine.embedded import EmbeddedEngineConfig
+from agents.engine.openai_chat import OpenAIChatOptions
 from agents.engine.protocol import SamplingParams
 from agents.engine.sglang import SGLangOptions
 from agents.evaluation import EvalConfig
@@ -223,13 +224,17 @@ class RunConfig:
     """The supervised warm start before RL."""
     rollout: RolloutConfig = field(default_factory=_default_rollout)
     """How episodes are sampled (group size, sampling, context budget)."""
-    engine_backend: Literal["embedded", "sglang"] = "embedded"
-    """Where rollouts are generated: the in-process engine, or an SGLang server (see `sglang`)."""
+    engine_backend: Literal["embedded", "sglang", "openai"] = "embedded"
+    """Where rollouts are generated: the in-process engine, an SGLang server (see `sglang`), or (for
+    `pacerl eval` only) any OpenAI-compatible chat-completions server (see `openai`)."""
     engine: EmbeddedEngineConfig = field(default_factory=lambda: EmbeddedEngineConfig(max_batch=256))
     """The embedded inference engine (on CPU, one wide batch beats many narrow steps)."""
     sglang: SGLangOptions = field(default_factory=SGLangOptions)
     """The SGLang server and weight publication to it; `weights_dir` defaults to `run_dir/weights` and
     `base_model_dir` to `model.path` (the server must read both under the same paths)."""
+    openai: OpenAIChatOptions = field(default_factory=OpenAIChatOptions)
+    """The served model of `engine_backend = "openai"`: base URL, model name, the environment variable
+    holding the API key, timeouts, whether the env's tools are sent (docs/serving.md)."""
     learner: LearnerConfig = field(default_factory=_default_learner)
     """Loss, advantages, optimizer, R3."""
     filter: FilterConfig = field(default_factory=_default_filter)
@@ -244,8 +249,10 @@ class RunConfig:
     """The Ray cluster and the actors of `runtime = "ray"`."""
 
     def __post_init__(self) -> None:
-        if self.engine_backend not in ("embedded", "sglang"):
-            raise ValueError(f"engine_backend must be embedded or sglang, got {self.engine_backend!r}")
+        if self.engine_backend not in ("embedded", "sglang", "openai"):
+            raise ValueError(
+                f"engine_backend must be embedded, sglang or openai, got {self.engine_backend!r}"
+            )
         if self.engine_backend == "sglang" and self.model.path is None:
             raise ValueError("engine_backend=sglang needs model.path: the server loads the same checkpoint")
         if self.filter.name == "pace" and self.filter.pace.target_groups < self.loop.batch_groups:

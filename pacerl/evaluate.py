@@ -1,8 +1,18 @@
-"""`pacerl eval`: a saved model on an env's tasks, K sampled episodes each, built the way training builds
-them; prints avg@K, pass@k, tool use and failures, and writes them as JSON with `--out` (and every
-episode's transcript with `--episodes`).
+"""`pacerl eval`: a model on an env's tasks, K sampled episodes each, built the way training builds them;
+prints avg@K, pass@k, tool use and failures, and writes them as JSON with `--out` (the resolved config
+beside them) and every episode's transcript with `--episodes`.
 
     pacerl eval --model runs/sft/model --env pacerl/CodeMath-v0 --n 4 --max-tasks 50 --out eval.json
+    pacerl eval --config eval.toml env.system_prompt=null evaluation.settings.tool_schemas_in_prompt=true
+    pacerl eval engine_backend=openai openai.base_url=http://127.0.0.1:8000/v1 --env pacerl/CodeMath-v0
+
+The config is the run's (`pacerl.config.RunConfig`, the same file and `key=value` overrides as
+`pacerl train`): `model.path`, the env (`env.id`, prompt, turns, tool budget), how episodes are sampled
+(`evaluation.settings`: samples, temperature, top_p, top_k, token budgets, tool schemas in the prompt),
+the held-out tasks (`evaluation.tasks`, default the env's validation set) and the engine
+(`engine_backend`: embedded, sglang, or openai for any served chat-completions model). The flags are
+shorthands for those keys; a `key=value` given after them wins. Unlike a training run's in-loop check
+(greedy, one sample), `evaluation.settings` default here to K = 4 samples at T = 0.7.
 
 The library (torch, transformers, the envs) is imported only when an evaluation runs: `pacerl` builds
 this parser for every subcommand, and those imports take seconds.
@@ -19,14 +29,51 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from agents.evaluation import EvalConfig, EvalReport
-    from agents.trajectory import Trajectory
-    from envs import ToolEnv
+    from agents.evaluation import EvalReport
+    from envs import Task, ToolEnv
+    from pacerl.config import RunConfig
+
+_FLAG_KEYS = {
+    "model": ("model", "path"),
+    "env_id": ("env", "id"),
+    "tasks": ("evaluation", "tasks"),
+    "n": ("evaluation", "settings", "samples"),
+    "temperature": ("evaluation", "settings", "temperature"),
+    "max_tasks": ("evaluation", "settings", "max_tasks"),
+    "retriever_url": ("env", "retriever_url"),
+}
+"""`main_eval`'s shorthand arguments → the config keys they set (`seed` sets two: see `eval_config`)."""
+
+
+def eval_config(
+    config_path: str | None = None, overrides: Sequence[str] = (), flags: Mapping[str, Any] | None = None
+) -> RunConfig:
+    """The evaluation's config: `EvalConfig`'s defaults for `evaluation.settings`, then the file at
+    `config_path`, then `flags` (`main_eval`'s shorthands, None ones left out), then the `key=value`
+    `overrides`. ConfigError on any problem, naming the key."""
+    from agents.evaluation import EvalConfig
+    from pacerl.config import config_from_dict
+    from pacerl.settings import apply_overrides, config_to_dict, merge_settings, read_settings
+
+    data: dict[str, Any] = {"evaluation": {"settings": config_to_dict(EvalConfig())}}
+    if config_path is not None:
+        data = merge_settings(data, read_settings(Path(config_path)))
+    shorthand: dict[str, Any] = {}
+    for name, value in (flags or {}).items():
+        if value is None:
+            continue
+        keys = [("seed",), ("evaluation", "settings", "seed")] if name == "seed" else [_FLAG_KEYS[name]]
+        for key in keys:
+            section = shorthand
+            for part in key[:-1]:
+                section = section.setdefault(part, {})
+            section[key[-1]] = value
+    return config_from_dict(apply_overrides(merge_settings(data, shorthand), overrides))
 
 
 def main_eval(
-    model: str,
-    env_id: str,
+    model: str | None = None,
+    env_id: str | None = None,
     n: int | None = None,
     tasks: str | None = None,
     out: str | None = None,
@@ -36,63 +83,87 @@ def main_eval(
     retriever_url: str | None = None,
     seed: int | None = None,
     episodes: str | None = None,
+    config_path: str | None = None,
+    overrides: Sequence[str] = (),
 ) -> int:
-    """The body of `pacerl eval`: evaluate the model directory `model` on `env_id`'s `tasks` (default:
-    its validation set) with `n` samples per task; print the table and write the JSON report to `out`
-    and each episode's transcript to `episodes` (JSONL, see `transcript`).
-    Options left None keep `EvalConfig`'s defaults. `env_id`: any registered `ToolEnv` id, or
-    `module:Name-v0` for a user's env (`envs.registry.env_class`); without `tasks`, the env's shipped
-    validation set. What the env's tools need is started for the evaluation (`ToolEnv.services`: the
-    Search env's BM25 retriever, in process, unless `retriever_url` names one).
-    Bad input (no such directory, unknown env or task set, invalid option) raises a one-line
-    ValueError (ConfigError) or OSError before any episode starts."""
-    from agents.evaluation import EvalConfig
+    """The body of `pacerl eval`: evaluate the model of the config (`model.path`, or the served model of
+    `engine_backend=openai`) on its env's held-out tasks (`evaluation.tasks`, default the env's
+    validation set) with `evaluation.settings`; print the table, write the JSON report (with the
+    resolved config under `run_config`) to `out` and each episode's transcript to `episodes` (JSONL).
+    The positional and keyword shorthands set config keys (`_FLAG_KEYS`); `overrides` are `key=value`.
+    `env.id`: any registered `ToolEnv` id, or `module:Name-v0` for a user's env. What the env's tools
+    need is started for the evaluation (`ToolEnv.services`: the Search env's BM25 retriever, in process,
+    unless `env.retriever_url` names one). Bad input (no such directory, unknown env or task set,
+    invalid option) raises a one-line ConfigError or OSError before any episode starts."""
     from envs.registry import env_class
     from pacerl.assembly import env_factory, seed_everything
-    from pacerl.config import ConfigError, config_from_dict
+    from pacerl.config import ConfigError
+    from pacerl.settings import config_to_dict
     from pacerl.train import quiet_logging
 
     quiet_logging()
-
-    given: dict[str, Any] = {"samples": n, "temperature": temperature, "max_tasks": max_tasks, "seed": seed}
-    config = replace(EvalConfig(), **{key: value for key, value in given.items() if value is not None})
+    flags = {
+        "model": model,
+        "env_id": env_id,
+        "n": n,
+        "tasks": tasks,
+        "temperature": temperature,
+        "max_tasks": max_tasks,
+        "retriever_url": retriever_url,
+        "seed": seed,
+    }
     try:
-        cls = env_class(env_id)
+        config = eval_config(config_path, overrides, flags)
+    except ValueError as error:  # EvalConfig's own checks name their fields
+        raise ConfigError(str(error)) from None
+    spec = config.env
+    try:
+        cls = env_class(spec.id)
     except ValueError as error:
         raise ConfigError(f"--env: {error}") from None
-    source = tasks if tasks is not None else cls.validation_tasks
+    source = config.evaluation.tasks if config.evaluation.tasks is not None else cls.validation_tasks
     if source is None:
-        raise ConfigError(f"--tasks: {env_id} ships no validation set; name a task file")
-    env = {"id": env_id, "tasks": source, "retriever_url": retriever_url}
-    run_config = config_from_dict({"seed": config.seed, "model": {"path": model}, "env": env})
-    make_env = env_factory(run_config)  # a bad env or task set fails here, before the model loads
-    policy, tokenizer = _load(model)
-    seed_everything(run_config)
-    label = f"{model} on {env_id} ({source or 'default tasks'})"
+        raise ConfigError(
+            f"--tasks: {spec.id} ships no validation set; name a task file (--tasks or evaluation.tasks)"
+        )
+    served = config.engine_backend == "openai"
+    if not served and config.model.path is None:
+        raise ConfigError("--model: name a model directory (model.path), or evaluate a served model "
+                          "with engine_backend=openai")  # fmt: skip
+    # Checked here: a missing `a/b` path would be taken for a hub name and fetched from the network.
+    if not served and not Path(str(config.model.path)).expanduser().exists():
+        raise ConfigError(f"--model: no model directory at {config.model.path}")
+    config = replace(config, env=replace(spec, tasks=source))
+    make_env = env_factory(config)  # a bad env or task set fails here, before the model loads
+    seed_everything(config)
+    subject = config.model.path if not served else (config.openai.model or config.openai.base_url)
+    label = f"{subject} on {spec.id} ({source})"
     with contextlib.ExitStack() as stack:
-        started = stack.enter_context(cls.services({"retriever_url": retriever_url} if retriever_url else {}))
+        given = {"retriever_url": spec.retriever_url} if spec.retriever_url else {}
+        started = stack.enter_context(cls.services(given))
         if started:
             make_env = with_settings(make_env, started)
         transcripts = stack.enter_context(_open_for_writing(episodes)) if episodes is not None else None
 
-        def keep(group: Sequence[Trajectory]) -> None:
+        def keep(lines: Sequence[dict[str, Any]]) -> None:
             if transcripts is not None:
-                for trajectory in group:
-                    transcripts.write(json.dumps(transcript(trajectory, tokenizer)) + "\n")
+                for line in lines:
+                    transcripts.write(json.dumps(line) + "\n")
 
-        report = _run_eval(policy, tokenizer, make_env, config, label, keep)
+        report = _run_eval(config, make_env, label, keep)
     print(report.table(), end="")
     if episodes is not None:
         print(f"wrote {report.episodes} episodes to {episodes}")
     if out is not None:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+        data = {**report.to_json(), "run_config": config_to_dict(config)}
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {path}")
     return 0
 
 
-def transcript(trajectory: Trajectory, tokenizer: Any) -> dict[str, Any]:
+def transcript(trajectory: Any, tokenizer: Any) -> dict[str, Any]:
     """One episode as a reader wants it: task, reward, how it ended, and each segment's text with its
     origin (prompt, model, tool) and, for the model's, the policy version that wrote it."""
     segments = []
@@ -123,31 +194,86 @@ def _open_for_writing(path: str) -> Iterator[TextIO]:
 
 
 def _run_eval(
-    policy: Any,
-    tokenizer: Any,
+    config: RunConfig,
     make_env: Callable[[], ToolEnv],
-    config: EvalConfig,
     label: str,
-    on_group: Callable[[Sequence[Trajectory]], None] | None = None,
+    keep: Callable[[Sequence[dict[str, Any]]], None],
 ) -> EvalReport:
-    """Serve `policy` from an embedded engine and evaluate it on the tasks `make_env`'s envs hold."""
+    """Evaluate on the tasks `make_env`'s envs hold with the engine `config.engine_backend` names:
+    the embedded engine serving `model.path`, an SGLang server, or a served chat-completions model."""
     import asyncio
 
-    from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from agents.evaluation import evaluate
-
     async def run() -> EvalReport:
-        engine = EmbeddedEngine(policy, tokenizer, EmbeddedEngineConfig(seed=config.seed))
         probe = make_env()  # the tasks exactly as the env loaded them (as `pacerl train` takes them)
         tasks = probe.tasks
         probe.close()
-        try:
-            # Routes are not recorded in eval, so the model's expert count is not needed.
-            return await evaluate(engine, tokenizer, make_env, tasks, config, label=label, on_group=on_group)
-        finally:
-            await engine.aclose()
+        if config.engine_backend == "openai":
+            return await _served(config, make_env, tasks, label, keep)
+        return await _local(config, make_env, tasks, label, keep)
 
     return asyncio.run(run())
+
+
+async def _served(
+    config: RunConfig,
+    make_env: Callable[[], ToolEnv],
+    tasks: Sequence[Task],
+    label: str,
+    keep: Callable[[Sequence[dict[str, Any]]], None],
+) -> EvalReport:
+    from agents.engine.openai_chat import OpenAIChatClient, evaluate_served
+
+    options, settings = config.openai, config.evaluation.settings
+    if settings.top_k > 0:  # not a parameter of the OpenAI API; SGLang and vLLM read it from the body
+        options = replace(options, extra_body={"top_k": settings.top_k, **options.extra_body})
+    client = OpenAIChatClient(options)
+    try:
+        return await evaluate_served(
+            client,
+            make_env,
+            tasks,
+            settings,
+            label=label,
+            on_group=lambda group: keep([episode.to_json() for episode in group]),
+        )
+    finally:
+        await client.aclose()
+
+
+async def _local(
+    config: RunConfig,
+    make_env: Callable[[], ToolEnv],
+    tasks: Sequence[Task],
+    label: str,
+    keep: Callable[[Sequence[dict[str, Any]]], None],
+) -> EvalReport:
+    from agents.engine.embedded import EmbeddedEngine
+    from agents.engine.protocol import Engine
+    from agents.engine.sglang import SGLangEngine
+    from agents.evaluation import evaluate
+
+    assert config.model.path is not None  # checked by main_eval
+    policy, tokenizer = _load(config.model.path)
+    settings = config.evaluation.settings
+    engine: Engine
+    if config.engine_backend == "sglang":
+        # Nothing is published during an evaluation, so no weights directory is needed.
+        engine = SGLangEngine(replace(config.sglang, base_model_dir=config.model.path))
+    else:
+        engine = EmbeddedEngine(policy, tokenizer, replace(config.engine, seed=settings.seed))
+    try:
+        # Routes are not recorded in eval, so the model's expert count is not needed.
+        return await evaluate(
+            engine,
+            tokenizer,
+            make_env,
+            tasks,
+            settings,
+            label=label,
+            on_group=lambda group: keep([transcript(t, tokenizer) for t in group]),
+        )
+    finally:
+        await engine.aclose()
 
 
 def _load(model: str) -> tuple[Any, Any]:
@@ -155,9 +281,6 @@ def _load(model: str) -> tuple[Any, Any]:
     from agents.tokenizer import with_chat_template
     from pacerl.config import ConfigError
 
-    # Checked here: load_model would take a missing `a/b` path for a hub name and try the network.
-    if not Path(model).expanduser().exists():
-        raise ConfigError(f"--model: no model directory at {model}")
     try:
         policy, tokenizer = load_model(model)
     except (FileNotFoundError, ValueError, OSError) as error:
@@ -178,7 +301,7 @@ def with_settings(make_env: Callable[[], ToolEnv], settings: Mapping[str, Any]) 
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """`pacerl eval --model DIR --env ID [--n K] [--tasks FILE] [--out FILE] ...`."""
+    """`pacerl eval [--config FILE] [key=value ...] [--model DIR] [--env ID] [--n K] ...`."""
     return main_eval(
         args.model,
         args.env,
@@ -190,27 +313,39 @@ def cmd_eval(args: argparse.Namespace) -> int:
         retriever_url=args.retriever_url,
         seed=args.seed,
         episodes=args.episodes,
+        config_path=args.config,
+        overrides=args.overrides,
     )
 
 
 def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add the `eval` subcommand (handler `cmd_eval`) to `pacerl`'s subparsers; returns its parser."""
+    from agents.evaluation import EvalConfig
+
+    defaults = EvalConfig()
     parser = commands.add_parser(
-        "eval", help="evaluate a model on an env's tasks: avg@K, pass@k, tool use, failures"
+        "eval",
+        help="evaluate a model on an env's tasks: avg@K, pass@k, tool use, failures",
+        description="The same config as `pacerl train` (--config FILE and key=value overrides: model, "
+        "env, evaluation.settings, engine_backend, openai); the flags below are shorthands for its keys.",
     )
-    parser.add_argument("--model", required=True, metavar="DIR", help="a model directory (save_model layout)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. "
+                        "evaluation.settings.max_new_tokens=512 env.system_prompt=null")  # fmt: skip
+    parser.add_argument("--config", metavar="FILE", help="a run config (TOML or JSON), as pacerl train's")
+    parser.add_argument("--model", metavar="DIR", help="a model directory (model.path)")
     parser.add_argument(
         "--env",
-        required=True,
         metavar="ID",
         help="a registered env id (pacerl/CodeMath-v0, pacerl/Math-v0, pacerl/Search-v0) or module:Name-v0 "
-        "for an env your module registers",
+        "for an env your module registers (env.id)",
     )
-    parser.add_argument("--n", type=int, metavar="K", help="episodes sampled per task (default 4)")
+    parser.add_argument(
+        "--n", type=int, metavar="K", help=f"episodes sampled per task (default {defaults.samples})"
+    )
     parser.add_argument(
         "--tasks",
         metavar="FILE",
-        help="a .jsonl/.parquet task file or shipped set (default: the env's *-val)",
+        help="a .jsonl/.parquet task file or shipped set (default: the env's *-val; evaluation.tasks)",
     )
     parser.add_argument("--out", metavar="FILE", help="write the report as JSON here (default: print only)")
     parser.add_argument(
@@ -223,7 +358,7 @@ def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
         help="the search tool's retriever (default: the env starts its own; Search-v0 serves BM25 over "
         "the shipped corpus in process)",
     )
-    parser.add_argument("--seed", type=int, help="seed of the engine's samplers (default 0)")
+    parser.add_argument("--seed", type=int, help=f"seed of the samplers (default {defaults.seed})")
     parser.add_argument(
         "--episodes", metavar="FILE", help="write every episode's transcript here (JSONL: segments as text)"
     )

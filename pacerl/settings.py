@@ -64,7 +64,7 @@ def settings_into(base: T, data: Mapping[str, Any], *, unknown: str = "key") -> 
     caller's), a wrong type or a value its dataclass refuses, naming the key."""
     cls = type(base)
     _check_keys(cls, data, "", unknown)
-    merged = _merge(config_to_dict(base), data)
+    merged = merge_settings(config_to_dict(base), data)
     try:
         validated: T = pydantic.TypeAdapter(cls).validate_python(merged)
     except pydantic.ValidationError as error:
@@ -101,11 +101,13 @@ def config_to_dict(config: Any) -> Any:
     return config
 
 
-def _merge(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+def merge_settings(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `changes` laid over it, section by section (a section given in part keeps the rest
+    of `base`'s)."""
     merged = dict(base)
     for key, value in changes.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge_settings(merged[key], value)
         else:
             merged[key] = value
     return merged

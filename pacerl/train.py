@@ -48,6 +48,11 @@ async def train(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     `resume`). Ctrl-C or SIGTERM saves a checkpoint and returns early. What the env's tools need is
     started for the run (`ToolEnv.services`: the Search env's retriever unless `env.retriever_url` names
     one)."""
+    if config.engine_backend == "openai":
+        raise ConfigError(
+            "config: engine_backend=openai serves evaluation only (`pacerl eval`): a chat-completions server "
+            "returns text, not the token ids and log-probs training needs; train with embedded or sglang"
+        )
     try:
         cls = env_class(config.env.id)
         config.sft.resolved(config.env.id)

@@ -47,7 +47,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from agents.models import moe_info
+from agents.models import check_replay_support, moe_info
 from agents.trajectory import Trajectory
 from trainer.advantages import dr_grpo_advantages, grpo_advantages, reinforce_pp_baseline_advantages
 from trainer.batch import TokenBatch, collate, forward_logprobs
@@ -448,6 +448,8 @@ class Learner:
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,
         )
+        if self.config.routing_replay:  # an MoE R3 cannot replay fails here, not after the first rollouts
+            check_replay_support(model)
         try:
             info = moe_info(model)
             self._layers, self._top_k = info.num_layers, info.top_k

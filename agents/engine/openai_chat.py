@@ -180,6 +180,7 @@ class OpenAIChatClient:
         *,
         max_tokens: int,
         temperature: float,
+        top_p: float = 1.0,
         seed: int | None = None,
     ) -> ChatAnswer:
         """One chat completion (n = 1); ServedModelError when none came after the bounded retries."""
@@ -190,6 +191,8 @@ class OpenAIChatClient:
             extra["stop"] = list(self.options.stop)
         if seed is not None:
             extra["seed"] = seed
+        if top_p < 1:
+            extra["top_p"] = top_p
         model = await self.model()
         try:
             response = await self._api().chat.completions.create(
@@ -286,6 +289,7 @@ async def play_episode(
                 tools,
                 max_tokens=min(config.max_new_tokens, room),
                 temperature=config.temperature,
+                top_p=config.top_p,
                 seed=seed,
             )
         except ServedModelError as error:
