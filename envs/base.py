@@ -13,6 +13,11 @@ no env; a user's env registered as `their_module:Name-v0` gets the same treatmen
 - `warm_start_steps` and `demonstration(task, style, rng)`: the demonstration styles the env writes,
   with their default SFT steps, and the turns of one demonstration (none: no warm start);
 - `services(settings)`: what the env's tools need started for a run (the Search env's retriever).
+
+Vectorised: `gymnasium.vector.SyncVectorEnv` works as it is; `AsyncVectorEnv` needs
+`shared_memory=False` (observations are chat messages of any length, which no fixed shared buffer
+holds; they travel through the worker pipes instead), and without it is refused at construction with
+a message that says so.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import gymnasium
+from gymnasium.vector.utils import create_shared_memory
 
 from envs.parsing import Parsed, parse_actions
 from envs.rewards import Reward
@@ -35,6 +41,18 @@ from envs.tasks import Task
 from envs.tools.core import Tool, ToolContext, ToolError, get_tool
 
 log = logging.getLogger(__name__)
+
+
+@create_shared_memory.register(ChatMessages)
+@create_shared_memory.register(UnicodeText)
+def _no_shared_memory(space: gymnasium.Space[Any], n: int = 1, ctx: Any = None) -> None:
+    # A ValueError, not Gymnasium's CustomSpaceError, so that this message is the one the user reads
+    # first: AsyncVectorEnv rewraps a CustomSpaceError in a generic one.
+    raise ValueError(
+        f"AsyncVectorEnv cannot hold {space} observations in shared memory: they are text of any length. "
+        "Pass shared_memory=False, e.g. gymnasium.vector.AsyncVectorEnv(env_fns, shared_memory=False); "
+        "observations then travel through the worker pipes. SyncVectorEnv needs nothing."
+    )
 
 
 class EpisodeLost(Exception):  # noqa: N818 (an event, like StopIteration, not a bug report)

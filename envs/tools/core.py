@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import inspect
+import os
 import re
 import threading
 import weakref
@@ -73,6 +74,18 @@ def _close_shared_sandboxes() -> None:
         for sandbox in _SANDBOXES.values():
             sandbox.close()
         _SANDBOXES.clear()
+
+
+def _forget_shared_sandboxes() -> None:
+    # A forked child (Gymnasium's AsyncVectorEnv forks by default) inherits the parent's sandboxes
+    # without their loop threads, and its first tool call would wait forever on one: it starts its own.
+    # A new lock too: the parent's may have been held at the fork.
+    global _SANDBOXES_LOCK
+    _SANDBOXES.clear()
+    _SANDBOXES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_shared_sandboxes)
 
 
 class ToolContext:
