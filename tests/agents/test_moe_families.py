@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from agents.engine import EmbeddedEngine, EmbeddedEngineConfig, SamplingParams
@@ -95,11 +95,17 @@ def common_sizes(vocab_size: int) -> dict[str, Any]:
     }
 
 
-def build_tiny(family: str, seed: int = 0) -> PreTrainedModel:
+def build_tiny(
+    family: str, seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None, **changes: Any
+) -> PreTrainedModel:
     """A random tiny model of `family` in float32, its routers sharpened so no top-k sits on a near-tie
-    (a tie could flip between a prefill and a cached decode in the last bit)."""
-    tokenizer = tiny_tokenizer()
-    config = AutoConfig.for_model(family, **{**common_sizes(len(tokenizer)), **TINY.get(family, {})})
+    (a tie could flip between a prefill and a cached decode in the last bit). Sized to `tiny_tokenizer()`,
+    or to `tokenizer` with its pad and eos ids (a family's own: tests/pacerl/test_model_families.py);
+    `changes` override config values (e.g. `max_position_embeddings`)."""
+    sizes = common_sizes(len(tokenizer if tokenizer is not None else tiny_tokenizer()))
+    if tokenizer is not None:
+        sizes |= {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    config = AutoConfig.for_model(family, **{**sizes, **TINY.get(family, {}), **changes})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
