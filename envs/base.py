@@ -71,8 +71,9 @@ class ToolEnvConfig:
     """Tool calls per episode; a call beyond it is refused and the episode truncated."""
     max_context_chars: int = 32_000
     """Characters of conversation (all messages) before the episode is truncated (the context budget)."""
-    tool_formats: tuple[str, ...] = ("hermes", "code")
-    """How tool calls are written: `hermes` <tool_call> JSON and/or fenced `code` blocks."""
+    tool_formats: tuple[str, ...] = ("hermes", "code", "json")
+    """How tool calls are written: `hermes` <tool_call> JSON, fenced `code` blocks, `json` whole-message
+    calls (Llama 3.x, Mistral): `envs.parsing`."""
     on_tool_error: Literal["continue", "truncate"] = "continue"
     """After a failed tool call (timeout, service down, bad call): let the model react, or end the episode."""
     format_weight: float = 0.0

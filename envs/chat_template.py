@@ -15,15 +15,17 @@ renders the turns after it with it, and an OpenAI-compatible server answers with
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
-from envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_hermes
+from envs.parsing import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    parse_hermes,
+    parse_json_calls,
+)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-LLAMA_PYTHON_TAG = "<|python_tag|>"
-MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 
 CHATML_TOOLS_TEMPLATE = r"""
 {%- if messages and messages[0].role == 'system' %}
@@ -144,29 +146,7 @@ def _calls_in(answer: str) -> tuple[list[tuple[str, dict[str, Any]]], str]:
     if calls:
         kept.append(answer[position:])
         return calls, "".join(kept).strip()
-    whole = answer.strip()
-    if whole.startswith(MISTRAL_TOOL_CALLS):
-        listed = _json_calls(whole[len(MISTRAL_TOOL_CALLS) :])
-        return (listed, "") if listed else ([], answer)
-    listed = _json_calls(whole.removeprefix(LLAMA_PYTHON_TAG))
-    return (listed, "") if listed and whole.startswith(("{", LLAMA_PYTHON_TAG)) else ([], answer)
-
-
-def _json_calls(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """A JSON call object (`name` and `parameters` or `arguments`) or a list of them; [] if it is not."""
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return []
-    items = data if isinstance(data, list) else [data]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
-            return []
-        if "arguments" not in item and "parameters" not in item:
-            return []  # `{"name": "Paris"}` is an answer, not a call
-        arguments = item.get("arguments", item.get("parameters"))
-        if not isinstance(arguments, dict):
-            return []
-        calls.append((item["name"], arguments))
-    return calls
+    parsed = parse_json_calls(answer)
+    if parsed.calls and not parsed.errors:
+        return [(call.name, call.arguments) for call in parsed.calls], ""
+    return [], answer

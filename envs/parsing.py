@@ -6,6 +6,9 @@ message is written for the model to read and correct.
 Formats:
 - `hermes`: Qwen/Hermes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several per message.
 - `code`: fenced ```python blocks (tool-integrated reasoning), each a call of the `python` tool.
+- `json`: a message that is wholly one JSON call, as Llama 3.x templates ask for
+  (`{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`), or Mistral's
+  `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` list.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_CALL_CHARS = 65_536
 """A single tool call's text beyond this is refused (a runaway generation, not a call)."""
 MAX_CALLS_PER_MESSAGE = 8
-FORMATS = ("hermes", "code")
+FORMATS = ("hermes", "code", "json")
+LLAMA_PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 
 _FENCE = re.compile(r"```[ \t]*(python|py)[ \t]*\n(.*?)(```|\Z)", re.DOTALL)
 
@@ -132,6 +137,44 @@ def parse_code_blocks(text: str, tool_name: str = "python") -> Parsed:
     return Parsed(tuple(calls), tuple(errors))
 
 
+def parse_json_calls(text: str) -> Parsed:
+    """The calls of a message that is wholly JSON calls (the `json` format). A message opened by
+    Mistral's `[TOOL_CALLS]` or Llama's `<|python_tag|>` marker is a call attempt: anything malformed
+    after it is an error. A bare JSON object is a call only when it has a `name` and `parameters` or
+    `arguments` (`{"name": "Paris"}` is an answer, not a call), so a plain JSON answer stays one."""
+    whole = text.strip()
+    marker = next((m for m in (MISTRAL_TOOL_CALLS, LLAMA_PYTHON_TAG) if whole.startswith(m)), "")
+    body = whole[len(marker) :].strip()
+    if not marker and not body.startswith("{"):
+        return Parsed()
+    if len(body) > MAX_CALL_CHARS:
+        return Parsed(errors=(ParseError(f"a tool call may hold at most {MAX_CALL_CHARS} characters"),))
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, RecursionError):
+        data = None
+    items = data if isinstance(data, list) else [data]
+    looks_like_calls = all(
+        isinstance(item, dict) and ("parameters" in item or "arguments" in item) for item in items
+    )
+    if not (data is not None and items and looks_like_calls):
+        if not marker:
+            return Parsed()
+        shape = 'a JSON list of {"name": ..., "arguments": {...}}' if marker == MISTRAL_TOOL_CALLS else (
+            'one JSON object {"name": ..., "parameters": {...}}'
+        )  # fmt: skip
+        return Parsed(errors=(ParseError(f"{marker} must be followed by {shape}"),))
+    calls: list[ToolCall] = []
+    errors: list[ParseError] = []
+    for item in items:
+        call = _hermes_call(json.dumps(item), 0)
+        if isinstance(call, ToolCall):
+            calls.append(call)
+        else:
+            errors.append(call)
+    return Parsed(tuple(calls), tuple(errors))
+
+
 def parse_actions(text: str, formats: tuple[str, ...] = FORMATS) -> Parsed:
     """Every call in `text` under the given formats, in text order, capped at MAX_CALLS_PER_MESSAGE."""
     unknown = set(formats) - set(FORMATS)
@@ -147,6 +190,8 @@ def parse_actions(text: str, formats: tuple[str, ...] = FORMATS) -> Parsed:
         )
     if "code" in formats:
         found.append(parse_code_blocks(remaining))
+    if "json" in formats and not any(p.attempted for p in found):
+        found.append(parse_json_calls(text))
     calls = sorted((c for p in found for c in p.calls), key=lambda c: c.start)
     errors = sorted((e for p in found for e in p.errors), key=lambda e: e.start)
     if len(calls) > MAX_CALLS_PER_MESSAGE:

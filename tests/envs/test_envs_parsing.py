@@ -137,3 +137,24 @@ def test_parser_never_raises_on_tag_soup(text: str) -> None:
     parsed = parse_actions(text)
     for found in parsed.calls:
         assert isinstance(found.name, str) and found.name
+
+
+def test_whole_message_json_calls_of_llama_and_mistral() -> None:
+    llama = parse_actions('{"name": "python", "parameters": {"code": "print(6 * 7)"}}')
+    assert [(c.name, c.arguments) for c in llama.calls] == [("python", {"code": "print(6 * 7)"})]
+    tagged = parse_actions('<|python_tag|>{"name": "search", "parameters": {"query": "Paris"}}')
+    assert [(c.name, c.arguments) for c in tagged.calls] == [("search", {"query": "Paris"})]
+    mistral = parse_actions(
+        '[TOOL_CALLS][{"name": "python", "arguments": {"code": "1"}}, {"name": "python", "arguments": "{}"}]'
+    )
+    assert [(c.name, c.arguments) for c in mistral.calls] == [("python", {"code": "1"}), ("python", {})]
+    # a JSON answer is not a call; a marker followed by anything else is a call gone wrong
+    assert not parse_actions('{"name": "Paris"}').attempted
+    assert not parse_actions('The answer is {"name": "x", "parameters": {}}').attempted
+    broken = parse_actions("[TOOL_CALLS] python(1)")
+    assert not broken.calls and "[TOOL_CALLS] must be followed by a JSON list" in broken.errors[0].message
+    assert "must be a JSON object" in parse_actions('{"name": "python", "parameters": [1]}').errors[0].message
+    # with a <tool_call> block present, only that format counts; without `json` nothing is read
+    mixed = parse_actions('<tool_call>{"name": "a", "arguments": {}}</tool_call>')
+    assert [c.name for c in mixed.calls] == ["a"]
+    assert not parse_actions('{"name": "python", "parameters": {}}', ("hermes", "code")).attempted
