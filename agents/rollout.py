@@ -13,6 +13,10 @@ policy keeps or drops its group, and every outcome is counted. An env or engine 
 state for good (a distributed worker that died and could not replay it) raises `envs.EpisodeLost`: the
 episode is played again from its start under the same id (requeued), never counted twice.
 
+An env whose `inline_observations` attribute is true (Search-R1's `pacerl/SearchR1-v0`) gets the
+generated text as it is, and its observations continue the assistant's text: their contents are
+tokenized and appended as they are, with no chat turn around them.
+
 Routes (R3) are recorded for the whole sequence, as slime and Megatron replay it: each engine call
 asks for the rows of the positions the record does not hold yet (`routed_experts_start_len`), which
 are those of the prompt or tool response its prefill computed, then those of its own tokens; the
@@ -225,6 +229,7 @@ class RolloutDriver:
     ) -> Trajectory:
         """The episode's turns until it ends (after replaying a saved record's turns if `resuming`)."""
         pending: tuple[list[int], bool] = ([], False)
+        inline = bool(getattr(env, "inline_observations", False))
         if resuming:
             replayed = await self._replay(env, trajectory, prompt, messages, tools)
             if isinstance(replayed, str):
@@ -239,12 +244,18 @@ class RolloutDriver:
                 status = Status.TRUNCATED if turn.startswith("context") else Status.FAILED
                 return self._finish(trajectory, status, turn, 0.0)
             content = self._decode_content(turn)
-            observation, reward, terminated, truncated, info = await env.astep(_action(content))
+            observation, reward, terminated, truncated, info = await env.astep(
+                content if inline else _action(content)
+            )
             if terminated or truncated:
                 status = Status.COMPLETED if terminated else Status.TRUNCATED
                 reason = "" if terminated else str(info.get("truncation_reason") or "truncated")
                 return self._finish(trajectory, status, reason, float(reward), info)
-            tool_turn = self._tool_turn(messages, content, observation, tools, turn)
+            tool_turn = (
+                self._inline_turn(observation)
+                if inline
+                else self._tool_turn(messages, content, observation, tools, turn)
+            )
             if tool_turn is None:
                 return self._finish(trajectory, Status.FAILED, "chat template is not prefix-stable", 0.0)
             trajectory.append_tool(tool_turn)
@@ -283,6 +294,10 @@ class RolloutDriver:
         closing = self._assistant_tail.removeprefix(already)
         return self._encode(closing + new_turn)
 
+    def _inline_turn(self, observation: Sequence[Message]) -> list[int]:
+        """An inline observation's tokens: its contents as they are, continuing the assistant's text."""
+        return self._encode("".join(message["content"] for message in observation))
+
     def _assistant(self, content: str) -> Message:
         """The generated `content` as the template expects it (structured calls, reasoning field)."""
         message: Message = assistant_message(content, reasoning_field=self._reasoning_field)
@@ -305,16 +320,24 @@ class RolloutDriver:
             return "cannot resume: the prompt renders differently now"
         turn: list[int] = []
         last_reason = ""
+        inline = bool(getattr(env, "inline_observations", False))
         for segment in trajectory.segments[1:]:
             if segment.origin is Origin.MODEL:
                 turn += segment.tokens
                 last_reason = segment.finish_reason or ""
                 continue
             content = self._decode_content(turn)
-            observation, _, terminated, truncated, _ = await env.astep(_action(content))
+            observation, _, terminated, truncated, _ = await env.astep(
+                content if inline else _action(content)
+            )
             if terminated or truncated:
                 return "cannot resume: the replayed episode ended before the record did"
-            if self._tool_turn(messages, content, observation, tools, turn) != list(segment.tokens):
+            replayed = (
+                self._inline_turn(observation)
+                if inline
+                else self._tool_turn(messages, content, observation, tools, turn)
+            )
+            if replayed != list(segment.tokens):
                 self.counts["resume_tool_output_changed"] += 1  # the model saw the recorded one
             messages += [self._assistant(content), *observation]
             turn = []

@@ -18,11 +18,13 @@ from envs.spaces import ChatMessages, Message, UnicodeText
 from envs.tasks import Task, load_tasks
 from envs.tools import TOOLS, SandboxPolicy, Tool, ToolContext, ToolError, get_tool, tool
 
-ENV_IDS = ("pacerl/CodeMath-v0", "pacerl/Search-v0", "pacerl/Math-v0")
+ENV_IDS = ("pacerl/CodeMath-v0", "pacerl/Search-v0", "pacerl/Math-v0", "pacerl/SearchR1-v0")
 """Every environment this package registers (a user's module registers its own: `env_class`)."""
 
 for _env_id, _entry_point in zip(
-    ENV_IDS, ("envs.code_math:CodeMathEnv", "envs.search:SearchEnv", "envs.math:MathEnv"), strict=True
+    ENV_IDS,
+    ("envs.code_math:CodeMathEnv", "envs.search:SearchEnv", "envs.math:MathEnv", "envs.search:SearchR1Env"),
+    strict=True,
 ):
     if _env_id not in gymnasium.registry:
         gymnasium.register(id=_env_id, entry_point=_entry_point, disable_env_checker=False)

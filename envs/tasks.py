@@ -45,7 +45,10 @@ class Task:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], index: int = 0) -> Task:
-        """A task from one file row; a ValueError names the missing or mistyped column."""
+        """A task from one file row; a ValueError names the missing or mistyped column. A row in
+        verl's RL schema (no `question`, but `prompt` and `reward_model`) is read by `from_verl_row`."""
+        if "question" not in row and "prompt" in row and "reward_model" in row:
+            return cls.from_verl_row(row, index)
         if not isinstance(row.get("question"), str) or not row["question"].strip():
             raise ValueError(f"row {index}: 'question' must be a non-empty string")
         answer = row.get("answer", row.get("answers"))
@@ -61,6 +64,45 @@ class Task:
             metadata={k: v for k, v in row.items() if k not in known},
         )
 
+    @classmethod
+    def from_verl_row(cls, row: Mapping[str, Any], index: int = 0) -> Task:
+        """A task from a row of verl's RL parquet schema, as Search-R1's data scripts write it
+        (`scripts/data_process/nq_search.py`): `data_source`, `prompt` (chat messages), `ability`,
+        `reward_model: {"style", "ground_truth"}`, `extra_info: {"split", "index", ...}`.
+
+        The answers are `ground_truth["target"]` (Search-R1: a list of accepted answers) or
+        `ground_truth` itself (verl's gsm8k/math scripts: one string); the question is
+        `extra_info["question"]` when verl put it there, else the last user message. Every column is
+        kept in `metadata`, so an env can pose the row's own `prompt` unchanged. The id is
+        `<data_source>-<split>-<index>` from `extra_info` (unique across a merged test file)."""
+        messages = _messages(row["prompt"], index)
+        reward_model = row["reward_model"]
+        truth = reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
+        target = truth.get("target") if isinstance(truth, Mapping) else truth
+        if isinstance(target, str | int | float):
+            answers: tuple[str, ...] = (str(target),)
+        elif isinstance(target, Iterable) and not isinstance(target, Mapping):
+            answers = tuple(str(answer) for answer in target)
+        else:
+            answers = ()
+        if not answers:
+            raise ValueError(
+                f"row {index}: reward_model.ground_truth must be an answer, a list of answers or "
+                "{'target': [answers]}"
+            )
+        extra = row.get("extra_info")
+        extra = extra if isinstance(extra, Mapping) else {}
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        question = extra.get("question") if isinstance(extra.get("question"), str) else None
+        question = question or (users[-1] if users else "")
+        if not question.strip():
+            raise ValueError(f"row {index}: the prompt holds no user message")
+        source = str(row.get("data_source") or "verl")
+        number = extra.get("index", index)
+        task_id = f"{source}-{extra['split']}-{number}" if "split" in extra else f"{source}-{number}"
+        metadata = {key: value for key, value in row.items() if key != "prompt"}
+        return cls(id=task_id, question=question, answers=answers, metadata={**metadata, "prompt": messages})
+
     def to_row(self) -> dict[str, Any]:
         answer: str | list[str] = self.answers[0] if len(self.answers) == 1 else list(self.answers)
         return {
@@ -70,6 +112,20 @@ class Task:
             "level": self.level,
             **self.metadata,
         }
+
+
+def _messages(prompt: Any, index: int) -> list[dict[str, str]]:
+    """The chat messages of a verl row's `prompt` (a list of `{"role", "content"}`; pandas hands
+    over a numpy array of them)."""
+    items = list(prompt) if isinstance(prompt, Iterable) and not isinstance(prompt, str | Mapping) else []
+    messages = [
+        {"role": str(item["role"]), "content": str(item["content"])}
+        for item in items
+        if isinstance(item, Mapping) and "role" in item and "content" in item
+    ]
+    if not messages or len(messages) != len(items):
+        raise ValueError(f"row {index}: 'prompt' must be a list of {{'role', 'content'}} messages")
+    return messages
 
 
 def load_tasks(source: str | Path, split: str = "train") -> list[Task]:
