@@ -35,7 +35,8 @@ from typing import Any, Literal
 
 import pydantic
 
-from envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_hermes
+from envs.chat_template import assistant_message
+from envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 MAX_N = 16
 """Choices one request may ask for."""
@@ -164,24 +165,26 @@ def template_messages(messages: Sequence[ChatMessage], native_tool_calls: bool) 
 
 
 def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls) of generated text: every `<tool_call>` block parsed into a structured call
-    and removed from the content; any malformed block leaves the text whole, without calls."""
-    parsed = parse_hermes(text)
-    if parsed.errors or not parsed.calls:
+    """(content, tool_calls) of generated text in the API's shape: the calls the project's parser
+    finds (`envs.chat_template.assistant_message`: `<tool_call>` blocks, or a whole-message Llama or
+    Mistral JSON call) with their arguments as JSON text, removed from the content; a malformed
+    `<tool_call>` block leaves the text whole, without calls (as the Hermes parsers of vLLM and SGLang
+    do)."""
+    message = assistant_message(text, reasoning_field=False)
+    if "tool_calls" not in message or TOOL_CALL_OPEN in message["content"]:
         return text, []
-    content = text
-    while (start := content.find(TOOL_CALL_OPEN)) != -1:
-        end = content.find(TOOL_CALL_CLOSE, start) + len(TOOL_CALL_CLOSE)
-        content = content[:start] + content[end:]
     calls = [
         {
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
-            "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+            "function": {
+                "name": call["function"]["name"],
+                "arguments": json.dumps(call["function"]["arguments"]),
+            },
         }
-        for call in parsed.calls
+        for call in message["tool_calls"]
     ]
-    return content.strip() or None, calls
+    return message["content"].strip() or None, calls
 
 
 def create_app(

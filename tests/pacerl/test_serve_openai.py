@@ -226,6 +226,12 @@ def test_a_multi_turn_conversation_renders_as_the_model_saw_it(
     assert engine.prompts[-1] == expected
     assert "<tool_response>\n42\n</tool_response>" in engine.prompts[-1]
     assert split_tool_calls("no calls here") == ("no calls here", [])
+    content, calls = split_tool_calls('{"name": "python", "parameters": {"code": "print(1)"}}')  # Llama 3.x
+    assert content is None and [c["function"] for c in calls] == [
+        {"name": "python", "arguments": '{"code": "print(1)"}'}
+    ]
+    half = 'a <tool_call>{"name": "python", "arguments": {}}</tool_call> <tool_call>oops</tool_call>'
+    assert split_tool_calls(half) == (half, [])  # one malformed block: the whole text, no calls
 
 
 def test_pacerl_serve_openai_command(tmp_path: Any) -> None:
