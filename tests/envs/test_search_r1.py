@@ -96,6 +96,7 @@ def test_reward_is_qa_em_over_the_whole_text() -> None:
 def test_an_episode_searches_reads_information_and_answers() -> None:
     with local_retriever() as url:
         env = gymnasium.make("pacerl/SearchR1-v0", retriever_url=url).unwrapped
+        assert isinstance(env, SearchR1Env)
         observation, info = env.reset(options={"task": KALOTER})
         assert observation == (
             {"role": "user", "content": make_prefix("Which explorer first described Kaloter?")},
