@@ -5,8 +5,9 @@ Schema of a task file (one JSON object per line, or one parquet row):
     {"id": "mul-00017", "question": "What is 482 * 93?", "answer": "44826", "level": 2, ...}
 
 `answer` is a string or a list of accepted strings (aliases); `level` is optional; any other column
-is kept in `Task.metadata`. The shipped files in envs/data/ were made by the generators below
-(`python -m envs.tasks` rewrites them; the seeds are in `SHIPPED`).
+is kept in `Task.metadata`. Rows in verl's RL schema (Search-R1's processed parquet: `prompt`,
+`reward_model`, ...) are read too (`Task.from_verl_row`). The shipped files in envs/data/ were made by
+the generators below (`python -m envs.tasks` rewrites them; the seeds are in `SHIPPED`).
 """
 
 from __future__ import annotations
