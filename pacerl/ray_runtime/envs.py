@@ -83,6 +83,8 @@ class RemoteEnv:
         self._schemas: list[dict[str, Any]] = []
         self._actions: list[str] = []
         self._slot: Slot | None = None
+        # Whether the env's observations continue the model's text (Search-R1's): the local env's answer.
+        self.inline_observations = False
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -92,6 +94,7 @@ class RemoteEnv:
         try:
             observation, info = local.reset(seed=seed, options=options)
             self._schemas = local.tool_schemas()
+            self.inline_observations = bool(getattr(local, "inline_observations", False))
         finally:
             local.close()
         self._options, self._actions = dict(options or {}), []

@@ -152,7 +152,9 @@ def test_main_eval_writes_a_report_on_each_env(
     env_id: str, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "reports" / "eval.json"
-    assert main_eval(str(model_dir), env_id, 2, None, str(out), max_tasks=2) == 0
+    # Search-R1's fixed instruction alone is ~300 tokens of the tiny tokenizer: room for a turn after it
+    budget = ["evaluation.settings.max_total_tokens=1024"]
+    assert main_eval(str(model_dir), env_id, 2, None, str(out), max_tasks=2, overrides=budget) == 0
     data = json.loads(out.read_text())
     assert data["label"] == f"{model_dir} on {env_id} ({env_class(env_id).validation_tasks})"
     assert (data["tasks"], data["episodes"], data["samples"], data["policy_version"]) == (2, 4, 2, 0)
