@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from agents.evaluation import EvalReport
+    from agents.evaluation import EvalConfig, EvalReport
     from envs import Task, ToolEnv
+    from envs.suites import Benchmark
     from pacerl.config import RunConfig
+    from pacerl.suites import SuiteResult
 
 _FLAG_KEYS = {
     "model": ("model", "path"),
@@ -53,11 +55,19 @@ def eval_config(
     `overrides`. ConfigError on any problem, naming the key."""
     from agents.evaluation import EvalConfig
     from pacerl.config import config_from_dict
-    from pacerl.settings import apply_overrides, config_to_dict, merge_settings, read_settings
+    from pacerl.settings import config_to_dict, merge_settings
 
-    data: dict[str, Any] = {"evaluation": {"settings": config_to_dict(EvalConfig())}}
-    if config_path is not None:
-        data = merge_settings(data, read_settings(Path(config_path)))
+    defaults = {"evaluation": {"settings": config_to_dict(EvalConfig())}}
+    return config_from_dict(merge_settings(defaults, _given(config_path, overrides, flags)))
+
+
+def _given(
+    config_path: str | None, overrides: Sequence[str], flags: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """What the user set, as one settings tree: the file, then the shorthand flags, then `key=value`."""
+    from pacerl.settings import apply_overrides, merge_settings, read_settings
+
+    data: dict[str, Any] = read_settings(Path(config_path)) if config_path is not None else {}
     shorthand: dict[str, Any] = {}
     for name, value in (flags or {}).items():
         if value is None:
@@ -68,7 +78,7 @@ def eval_config(
             for part in key[:-1]:
                 section = section.setdefault(part, {})
             section[key[-1]] = value
-    return config_from_dict(apply_overrides(merge_settings(data, shorthand), overrides))
+    return apply_overrides(merge_settings(data, shorthand), overrides)
 
 
 def main_eval(
@@ -85,18 +95,19 @@ def main_eval(
     episodes: str | None = None,
     config_path: str | None = None,
     overrides: Sequence[str] = (),
+    suite: str | None = None,
+    suite_dir: str | None = None,
 ) -> int:
     """The body of `pacerl eval`: evaluate the model of the config (`model.path`, or the served model of
     `engine_backend=openai`) on its env's held-out tasks (`evaluation.tasks`, default the env's
-    validation set) with `evaluation.settings`; print the table, write the JSON report (with the
-    resolved config under `run_config`) to `out` and each episode's transcript to `episodes` (JSONL).
-    The positional and keyword shorthands set config keys (`_FLAG_KEYS`); `overrides` are `key=value`.
-    `env.id`: any registered `ToolEnv` id, or `module:Name-v0` for a user's env. What the env's tools
-    need is started for the evaluation (`ToolEnv.services`: the Search env's BM25 retriever, in process,
-    unless `env.retriever_url` names one). Bad input (no such directory, unknown env or task set,
-    invalid option) raises a one-line ConfigError or OSError before any episode starts."""
-    from envs.registry import env_class
-    from pacerl.assembly import env_factory, seed_everything
+    validation set) with `evaluation.settings`, or on every benchmark of `suite` (`envs.suites`: read
+    from `suite_dir`, `$PACERL_BENCHMARK_DIR` or the hub); print the table, write the JSON report (with
+    the resolved config under `run_config`) to `out` and each episode's transcript to `episodes`
+    (JSONL). The positional and keyword shorthands set config keys (`_FLAG_KEYS`); `overrides` are
+    `key=value`. `env.id`: any registered `ToolEnv` id, or `module:Name-v0` for a user's env. What the
+    env's tools need is started for the evaluation (`ToolEnv.services`: the Search envs' BM25 retriever,
+    in process, unless `env.retriever_url` names one). Bad input (no such directory, unknown env, task
+    set or suite, invalid option) raises a one-line ConfigError or OSError before any episode starts."""
     from pacerl.config import ConfigError
     from pacerl.settings import config_to_dict
     from pacerl.train import quiet_logging
@@ -113,9 +124,50 @@ def main_eval(
         "seed": seed,
     }
     try:
+        given = _given(config_path, overrides, flags)
         config = eval_config(config_path, overrides, flags)
     except ValueError as error:  # EvalConfig's own checks name their fields
         raise ConfigError(str(error)) from None
+    served = config.engine_backend == "openai"
+    if not served and config.model.path is None:
+        raise ConfigError("--model: name a model directory (model.path), or evaluate a served model "
+                          "with engine_backend=openai")  # fmt: skip
+    # Checked here: a missing `a/b` path would be taken for a hub name and fetched from the network.
+    if not served and not Path(str(config.model.path)).expanduser().exists():
+        raise ConfigError(f"--model: no model directory at {config.model.path}")
+    subject = config.model.path if not served else (config.openai.model or config.openai.base_url)
+    with contextlib.ExitStack() as stack:
+        transcripts = stack.enter_context(_open_for_writing(episodes)) if episodes is not None else None
+
+        def keep(lines: Sequence[dict[str, Any]]) -> None:
+            if transcripts is not None:
+                for line in lines:
+                    transcripts.write(json.dumps(line) + "\n")
+
+        if suite is not None:
+            result = _run_suite(config, given, suite, suite_dir, str(subject), keep)
+            print(result.table(), end="")
+            data = {**result.to_json(), "markdown": result.markdown(), "run_config": config_to_dict(config)}
+        else:
+            report = _run_env(config, str(subject), keep)
+            print(report.table(), end="")
+            data = {**report.to_json(), "run_config": config_to_dict(config)}
+    if episodes is not None:
+        print(f"wrote the episodes to {episodes}")
+    if out is not None:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {path}")
+    return 0
+
+
+def _run_env(config: RunConfig, subject: str, keep: Callable[[Sequence[dict[str, Any]]], None]) -> EvalReport:
+    """The evaluation of `config.env` on its held-out tasks."""
+    from envs.registry import env_class
+    from pacerl.assembly import env_factory, seed_everything
+    from pacerl.config import ConfigError
+
     spec = config.env
     try:
         cls = env_class(spec.id)
@@ -126,41 +178,67 @@ def main_eval(
         raise ConfigError(
             f"--tasks: {spec.id} ships no validation set; name a task file (--tasks or evaluation.tasks)"
         )
-    served = config.engine_backend == "openai"
-    if not served and config.model.path is None:
-        raise ConfigError("--model: name a model directory (model.path), or evaluate a served model "
-                          "with engine_backend=openai")  # fmt: skip
-    # Checked here: a missing `a/b` path would be taken for a hub name and fetched from the network.
-    if not served and not Path(str(config.model.path)).expanduser().exists():
-        raise ConfigError(f"--model: no model directory at {config.model.path}")
     config = replace(config, env=replace(spec, tasks=source))
     make_env = env_factory(config)  # a bad env or task set fails here, before the model loads
     seed_everything(config)
-    subject = config.model.path if not served else (config.openai.model or config.openai.base_url)
-    label = f"{subject} on {spec.id} ({source})"
-    with contextlib.ExitStack() as stack:
-        given = {"retriever_url": spec.retriever_url} if spec.retriever_url else {}
-        started = stack.enter_context(cls.services(given))
+    given = {"retriever_url": spec.retriever_url} if spec.retriever_url else {}
+    with cls.services(given) as started:
         if started:
             make_env = with_settings(make_env, started)
-        transcripts = stack.enter_context(_open_for_writing(episodes)) if episodes is not None else None
+        label = f"{subject} on {spec.id} ({source})"
+        return _run_eval(config, make_env, config.evaluation.settings, label, keep, {})
 
-        def keep(lines: Sequence[dict[str, Any]]) -> None:
-            if transcripts is not None:
-                for line in lines:
-                    transcripts.write(json.dumps(line) + "\n")
 
-        report = _run_eval(config, make_env, label, keep)
-    print(report.table(), end="")
-    if episodes is not None:
-        print(f"wrote {report.episodes} episodes to {episodes}")
-    if out is not None:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = {**report.to_json(), "run_config": config_to_dict(config)}
-        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {path}")
-    return 0
+def _run_suite(
+    config: RunConfig,
+    given: Mapping[str, Any],
+    suite: str,
+    suite_dir: str | None,
+    subject: str,
+    keep: Callable[[Sequence[dict[str, Any]]], None],
+) -> SuiteResult:
+    """Every benchmark of `suite`, each in its scoring env with that env's own prompt and limits and
+    the benchmark's sampling (`Benchmark.eval_settings`), under what the user set explicitly (`given`:
+    `evaluation.settings.*`, `env.system_prompt`, `env.max_turns`, `env.max_tool_calls` win)."""
+    from envs.registry import env_class
+    from envs.suites import load_benchmark, suite_benchmarks
+    from pacerl.assembly import seed_everything
+    from pacerl.config import ConfigError
+    from pacerl.suites import benchmark_eval_config, run_suite
+
+    try:
+        members = suite_benchmarks(suite)
+        benchmark_tasks = {
+            b.name: load_benchmark(b, mirror=suite_dir) for b in members
+        }  # read before any run
+    except ValueError as error:
+        raise ConfigError(f"--suite {suite}: {error}") from None
+    chosen_settings = given.get("evaluation", {}).get("settings", {})
+    user_settings = {key: getattr(config.evaluation.settings, key) for key in chosen_settings}
+    chosen_env = given.get("env", {})
+    env_keys = ("system_prompt", "max_turns", "max_tool_calls")
+    user_env = {key: getattr(config.env, key) for key in env_keys if key in chosen_env}
+    seed_everything(config)
+    loaded: dict[str, tuple[Any, Any]] = {}  # the model, loaded once for every benchmark
+
+    def evaluate_benchmark(benchmark: Benchmark) -> EvalReport:
+        cls = env_class(benchmark.env_id)
+        settings = benchmark_eval_config(benchmark, config.evaluation.settings, user_settings)
+        service = {"retriever_url": config.env.retriever_url} if config.env.retriever_url else {}
+        with cls.services(service) as started:
+            options = replace(cls.default_config(), **user_env)
+            options = replace(options, settings={**options.settings, **service, **started})
+            tasks = benchmark_tasks[benchmark.name]
+
+            def make_env() -> ToolEnv:
+                return cls(tasks=tasks, config=options)
+
+            def tagged(lines: Sequence[dict[str, Any]]) -> None:
+                keep([{"benchmark": benchmark.name, **line} for line in lines])
+
+            return _run_eval(config, make_env, settings, f"{subject} on {benchmark.title}", tagged, loaded)
+
+    return run_suite(suite, evaluate_benchmark, label=subject)
 
 
 def transcript(trajectory: Any, tokenizer: Any) -> dict[str, Any]:
@@ -196,11 +274,14 @@ def _open_for_writing(path: str) -> Iterator[TextIO]:
 def _run_eval(
     config: RunConfig,
     make_env: Callable[[], ToolEnv],
+    settings: EvalConfig,
     label: str,
     keep: Callable[[Sequence[dict[str, Any]]], None],
+    loaded: dict[str, tuple[Any, Any]],
 ) -> EvalReport:
-    """Evaluate on the tasks `make_env`'s envs hold with the engine `config.engine_backend` names:
-    the embedded engine serving `model.path`, an SGLang server, or a served chat-completions model."""
+    """Evaluate on the tasks `make_env`'s envs hold, sampled as `settings` say, with the engine
+    `config.engine_backend` names: the embedded engine serving `model.path`, an SGLang server, or a
+    served chat-completions model."""
     import asyncio
 
     async def run() -> EvalReport:
@@ -208,8 +289,8 @@ def _run_eval(
         tasks = probe.tasks
         probe.close()
         if config.engine_backend == "openai":
-            return await _served(config, make_env, tasks, label, keep)
-        return await _local(config, make_env, tasks, label, keep)
+            return await _served(config, make_env, tasks, settings, label, keep)
+        return await _local(config, make_env, tasks, settings, label, keep, loaded)
 
     return asyncio.run(run())
 
@@ -218,12 +299,13 @@ async def _served(
     config: RunConfig,
     make_env: Callable[[], ToolEnv],
     tasks: Sequence[Task],
+    settings: EvalConfig,
     label: str,
     keep: Callable[[Sequence[dict[str, Any]]], None],
 ) -> EvalReport:
     from agents.engine.openai_chat import OpenAIChatClient, evaluate_served
 
-    options, settings = config.openai, config.evaluation.settings
+    options = config.openai
     if settings.top_k > 0:  # not a parameter of the OpenAI API; SGLang and vLLM read it from the body
         options = replace(options, extra_body={"top_k": settings.top_k, **options.extra_body})
     client = OpenAIChatClient(options)
@@ -244,17 +326,21 @@ async def _local(
     config: RunConfig,
     make_env: Callable[[], ToolEnv],
     tasks: Sequence[Task],
+    settings: EvalConfig,
     label: str,
     keep: Callable[[Sequence[dict[str, Any]]], None],
+    loaded: dict[str, tuple[Any, Any]],
 ) -> EvalReport:
+    """The embedded engine or an SGLang server; `loaded` keeps the model across a suite's benchmarks."""
     from agents.engine.embedded import EmbeddedEngine
     from agents.engine.protocol import Engine
     from agents.engine.sglang import SGLangEngine
     from agents.evaluation import evaluate
 
     assert config.model.path is not None  # checked by main_eval
-    policy, tokenizer = _load(config.model.path)
-    settings = config.evaluation.settings
+    if config.model.path not in loaded:
+        loaded[config.model.path] = _load(config.model.path)
+    policy, tokenizer = loaded[config.model.path]
     engine: Engine
     if config.engine_backend == "sglang":
         # Nothing is published during an evaluation, so no weights directory is needed.
@@ -315,6 +401,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         episodes=args.episodes,
         config_path=args.config,
         overrides=args.overrides,
+        suite=args.suite,
+        suite_dir=args.suite_dir,
     )
 
 
@@ -361,6 +449,17 @@ def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument("--seed", type=int, help=f"seed of the samplers (default {defaults.seed})")
     parser.add_argument(
         "--episodes", metavar="FILE", help="write every episode's transcript here (JSONL: segments as text)"
+    )
+    parser.add_argument(
+        "--suite",
+        metavar="NAME",
+        help="evaluate a benchmark suite (math, aime, search-r1, nq-hotpotqa) or one benchmark (aime24, "
+        "math500, gsm8k, nq, ...): avg@k and pass@k per benchmark and their average",
+    )
+    parser.add_argument(
+        "--suite-dir",
+        metavar="DIR",
+        help="read the benchmarks from <DIR>/<name>.parquet (default: $PACERL_BENCHMARK_DIR, else the hub)",
     )
     parser.set_defaults(handler=cmd_eval)
     return parser

@@ -1,0 +1,88 @@
+"""`pacerl eval --suite`: every benchmark of a suite read from local files in its hub schema, scored in
+its env with the benchmark's sampling unless the user set it, reported per benchmark and on average in
+the papers' layout; a local model and a served one (`engine_backend=openai`) alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agents.engine import EmbeddedEngine
+from agents.models import build_tiny_moe, load_model, save_model
+from agents.tokenizer import tiny_tokenizer
+from envs.suites import BENCHMARKS, SUITES
+from pacerl.config import ConfigError
+from pacerl.evaluate import main_eval
+from pacerl.serve_openai import create_app
+from tests.helpers import ThreadServer
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "suites"
+ROOMY = ["evaluation.settings.max_new_tokens=4", "evaluation.settings.max_total_tokens=1024"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = tiny_tokenizer()
+    return save_model(build_tiny_moe(tokenizer=tokenizer), tokenizer, tmp_path_factory.mktemp("m") / "model")
+
+
+def test_a_suite_reports_each_benchmark_and_the_average(model_dir: Path, tmp_path: Path) -> None:
+    out, episodes = tmp_path / "math.json", tmp_path / "math.jsonl"
+    overrides = [*ROOMY, "evaluation.settings.samples=2", "evaluation.settings.temperature=1.0"]
+    code = main_eval(
+        str(model_dir), out=str(out), episodes=str(episodes), overrides=overrides, suite="math",
+        suite_dir=str(FIXTURES),
+    )  # fmt: skip
+    assert code == 0
+    data = json.loads(out.read_text())
+    names = [b["name"] for b in data["benchmarks"]]
+    assert names == list(SUITES["math"]) and data["suite"] == "math"
+    for bench in data["benchmarks"]:
+        assert (bench["tasks"], bench["k"]) == (3, 2)  # the user's samples beat the benchmark's (32, 4, 1)
+        assert bench["report"]["config"]["temperature"] == 1.0
+        assert bench["env_id"] == "pacerl/Math-v0"
+    mean = sum(b["avg_at_k"] for b in data["benchmarks"]) / 4
+    assert data["average"]["avg_at_k"] == pytest.approx(mean)
+    assert "AIME24" in data["markdown"] and "Avg." in data["markdown"]
+    lines = [json.loads(line) for line in episodes.read_text().splitlines()]
+    assert len(lines) == 4 * 3 * 2 and {line["benchmark"] for line in lines} == set(names)
+    assert data["run_config"]["model"]["path"] == str(model_dir)
+
+
+def test_the_benchmarks_own_sampling_applies_when_the_user_sets_none(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "one.json"
+    assert (
+        main_eval(str(model_dir), out=str(out), overrides=ROOMY, suite="gsm8k", suite_dir=str(FIXTURES)) == 0
+    )
+    (gsm8k,) = json.loads(out.read_text())["benchmarks"]
+    expected = BENCHMARKS["gsm8k"].eval_settings
+    assert (
+        gsm8k["k"] == expected["samples"]
+        and gsm8k["report"]["config"]["temperature"] == expected["temperature"]
+    )
+    # Search-R1's QA: its env (its own prompt, the in-process retriever over the shipped corpus), greedy
+    assert main_eval(str(model_dir), out=str(out), suite="nq", suite_dir=str(FIXTURES)) == 0
+    (nq,) = json.loads(out.read_text())["benchmarks"]
+    assert nq["env_id"] == "pacerl/SearchR1-v0" and nq["k"] == 1 and nq["tasks"] == 3
+
+
+def test_bad_suites_fail_before_any_episode(model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no suite or benchmark named 'mathh'"):
+        main_eval(str(model_dir), suite="mathh", suite_dir=str(FIXTURES))
+    with pytest.raises(ConfigError, match=r"--suite math: benchmark 'aime24': the mirror .* holds none of"):
+        main_eval(str(model_dir), suite="math", suite_dir=str(tmp_path))
+
+
+def test_a_served_model_on_a_suite(model_dir: Path, tmp_path: Path) -> None:
+    """The README's two commands: `pacerl serve openai`, then `pacerl eval --suite` against it."""
+    model, tokenizer = load_model(model_dir)
+    out = tmp_path / "served.json"
+    with ThreadServer(create_app(EmbeddedEngine(model, tokenizer), tokenizer, model_name="tiny")) as server:
+        served = ["engine_backend=openai", f"openai.base_url={server.url}/v1", *ROOMY]
+        assert main_eval(out=str(out), overrides=served, suite="gsm8k", suite_dir=str(FIXTURES)) == 0
+    data = json.loads(out.read_text())
+    (gsm8k,) = data["benchmarks"]
+    assert gsm8k["tasks"] == 3 and data["run_config"]["engine_backend"] == "openai"
+    assert not any(reason.startswith("failed") for reason in gsm8k["report"]["failures"])
