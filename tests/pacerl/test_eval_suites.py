@@ -86,3 +86,16 @@ def test_a_served_model_on_a_suite(model_dir: Path, tmp_path: Path) -> None:
     (gsm8k,) = data["benchmarks"]
     assert gsm8k["tasks"] == 3 and data["run_config"]["engine_backend"] == "openai"
     assert not any(reason.startswith("failed") for reason in gsm8k["report"]["failures"])
+
+
+@pytest.mark.parametrize("suite", sorted(set(SUITES) - {"math"}))
+def test_every_named_suite_evaluates_on_its_fixtures(suite: str, model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / f"{suite}.json"
+    greedy = [*ROOMY, "evaluation.settings.samples=1", "evaluation.settings.temperature=0"]
+    assert (
+        main_eval(str(model_dir), out=str(out), overrides=greedy, suite=suite, suite_dir=str(FIXTURES)) == 0
+    )
+    data = json.loads(out.read_text())
+    assert [b["name"] for b in data["benchmarks"]] == list(SUITES[suite])
+    assert all(b["tasks"] == 3 and b["k"] == 1 for b in data["benchmarks"])
+    assert all(BENCHMARKS[b["name"]].env_id == b["env_id"] for b in data["benchmarks"])
