@@ -177,6 +177,11 @@ class _Simulation:
             touched.add(engine)
         group.pending = size
         self.running_groups[group.id] = group
+        self.launched(group)
+
+    def launched(self, group: Group) -> None:
+        """A hook after a group's episodes are planned and queued (emulated training starts the real
+        episodes here, `pacerl.lab.emulated`); nothing in a simulation."""
 
     # -- engines -------------------------------------------------------------------------------------
 
@@ -212,21 +217,28 @@ class _Simulation:
             engine.queue.popleft()
             valid = episode.cache_version == engine.version or self.config.interrupt == "continue"
             prefill += context - (episode.cached if valid else 0)
-            episode.run += 1
-            episode.finish_s = engine.s + episode.remaining
             engine.running[episode.uid] = episode
-            heapq.heappush(engine.finishing, (episode.finish_s, episode.uid, episode.run))
             engine.rows += 1
             engine.kv += context
             opened.append(episode)
         if not opened:
             return
+        self.realise(engine, opened)
+        for episode in opened:
+            episode.run += 1
+            episode.finish_s = engine.s + episode.remaining
+            heapq.heappush(engine.finishing, (episode.finish_s, episode.uid, episode.run))
         stall = prefill / inference.prefill_tokens_per_s
         engine.t = max(engine.t, self.now) + stall
         engine.busy_s += stall
         for episode in opened:
             episode.cached, episode.cache_version = episode.base_context + episode.done, engine.version
             episode.seg_version, episode.seg_t0, episode.seg_done = engine.version, engine.t, episode.done
+
+    def realise(self, engine: EngineState, opened: list[Episode]) -> None:
+        """A hook when `opened` episodes join `engine`'s batch, before their turn's end is scheduled from
+        `remaining` (emulated training generates their turns here under `engine.version`); nothing in a
+        simulation, whose lengths are planned at launch."""
 
     def schedule(self, engine: EngineState) -> None:
         """Schedule the engine's next own event: a turn ending, or the cache overflowing."""
@@ -343,13 +355,17 @@ class _Simulation:
 
     def group_done(self, group: Group, version: int) -> None:
         del self.running_groups[group.id]
-        prompt = self.records.prompt(group.prompt)
-        records = [self.records.record(episode, prompt, version, self.now) for episode in group.members]
+        records = self.make_records(group, version)
         group.members = []  # breaks the group ↔ episode cycles, so refcounting frees them (gc is paused)
         self.pool.add_group(records)
         self.pooled[group.id] = group
         self.try_launch()
         self.try_train()
+
+    def make_records(self, group: Group, version: int) -> list[Trajectory]:
+        """The finished group's records, completed at trainer version `version` and time now."""
+        prompt = self.records.prompt(group.prompt)
+        return [self.records.record(episode, prompt, version, self.now) for episode in group.members]
 
     def drift(self, trajectories: Sequence[Trajectory]) -> list[float]:
         """PACE's drift scores of `trajectories` at the trainer's version (`DriftScorer`)."""
@@ -393,8 +409,11 @@ class _Simulation:
         self.try_launch()
 
     def trained(self) -> None:
-        """A step ended: the version moves; every S updates the weights are published."""
-        self.version += 1
+        """A step ended: the version moves (unless the step was skipped); every S updates the weights
+        are published."""
+        updated = self.step_updated()
+        if updated:
+            self.version += 1
         stats = self.stats
         stats.steps += 1
         stats.step_end.append(self.now)
@@ -404,12 +423,18 @@ class _Simulation:
         sync_round_over = self.mode == "sync" and (
             self.version % self.config.sync_interval == 0 or not len(self.pool)
         )
-        if (self.mode == "async" and self.version % self.config.sync_interval == 0) or sync_round_over:
+        async_due = self.mode == "async" and updated and self.version % self.config.sync_interval == 0
+        if async_due or sync_round_over:
             self.publish()
             return
         self.trainer_busy = False
         self.try_launch()
         self.try_train()
+
+    def step_updated(self) -> bool:
+        """Whether the step that just ended changed the weights (a real learner skips a batch without
+        signal, `trainer.learner.StepResult.updated`); every simulated step does."""
+        return True
 
     def publish(self) -> None:
         """Pause every engine for the weight sync, cut running generations into a segment of the old
