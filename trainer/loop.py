@@ -132,6 +132,8 @@ class Run:
         requeued trajectories); written as `faults/*` metrics, kept in checkpoints. Empty when local."""
         self.on_release: list[Callable[[], Awaitable[None]]] = []
         """Awaited by `release` once the run is over (a runtime stopping the actors it started)."""
+        self.extra_scalars: dict[str, float] = {}
+        """Merged last into every step's metrics (an emulated clock's simulated time: `pacerl.lab`)."""
         self._rejected_seen = 0
         self._started = time.time()
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -285,6 +287,7 @@ class Run:
         scalars.update({f"rejected/{k}": float(v) for k, v in self.pool.rejections.items()})
         scalars.update({f"skipped/{k}": float(v) for k, v in self.learner.counts.items()})
         scalars.update({f"faults/{k}": float(v) for k, v in self.faults.items()})
+        scalars.update(self.extra_scalars)
         bins = np.arange(len(staleness.gs_hist))
         histograms = {
             "staleness/generation": np.repeat(bins, staleness.gs_hist),

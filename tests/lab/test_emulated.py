@@ -1,0 +1,331 @@
+"""Emulated-cluster training (`pacerl.lab.emulated`): the clock is `pacerl simulate`'s (the simulator's
+own plan played through it gives the same run, figure for figure), the emulated sync arm trains on
+exactly what `train_sync` trains on, and configs that cannot work are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agents.engine import EmbeddedEngine
+from agents.engine.embedded import EmbeddedEngineConfig
+from agents.engine.protocol import FinishReason, Generation, SamplingParams
+from agents.models import load_model
+from agents.rollout import RolloutDriver, append_generation
+from agents.trajectory import Status, Trajectory
+from pacerl.assembly import env_factory, training_tasks
+from pacerl.config import config_from_dict
+from pacerl.lab.config import SimConfig
+from pacerl.lab.costs import Distribution, InferenceConfig, WorkloadConfig
+from pacerl.lab.emulated import ClockSettings, EmulatedClock, Turn, clock_config, train_emulated
+from pacerl.lab.engine import simulate_mode
+from pacerl.lab.presets import PRESETS
+from pacerl.lab.state import Group
+from tests.helpers import small_run
+from trainer.learner import Learner, StepResult
+from trainer.loop import Run, train_sync
+from trainer.metrics import read_metrics
+from trainer.pool import FilterConfig, PaceSettings, StalenessSummary, TrajectoryPool
+
+# -- (1) the clock is the simulator's -----------------------------------------------------------------
+
+
+class PlannedWorkload:
+    """The simulator's own plan through the emulated clock: every episode plays the turns, response
+    lengths and tool responses `launch_group` sampled for it (synthetic tokens), and the learner is a
+    stand-in that always updates. Everything that decides time is then the clock's code."""
+
+    drop_failed_groups = True
+
+    def __init__(self) -> None:
+        self.plans: dict[str, tuple[list[int], list[int]]] = {}
+        self.records: dict[str, Trajectory] = {}
+        self.turn: dict[str, int] = {}
+        self.published: list[int] = []
+
+    def launch(self, group: Group) -> list[Turn | Trajectory]:
+        turns: list[Turn | Trajectory] = []
+        for episode in group.members:
+            key = f"{group.id}/{episode.index}"
+            self.plans[key] = (list(episode.responses), list(episode.tool_tokens))
+            self.records[key] = Trajectory.start(
+                f"{group.id}-{episode.index}", group.id, group.id, [0] * group.prompt
+            )
+            self.turn[key] = 0
+            turns.append(self._turn(key))
+        return turns
+
+    def _turn(self, key: str) -> Turn:
+        length = self.plans[key][0][self.turn[key]]
+        return Turn(self.records[key].tokens.tolist(), SamplingParams(max_new_tokens=length), session=key)
+
+    def generate(self, turns: Sequence[Turn], version: int) -> None:
+        for turn in turns:
+            rest = turn.sampling.max_new_tokens - len(turn.tokens)
+            held = Generation((1,) * rest, (-1.0,) * rest, (version,) * rest, FinishReason.STOP)
+            turn.hold(held, version, turn.turn_base)
+
+    def complete(self, group_id: str, index: int, turn: Turn) -> Turn | Trajectory:
+        key = f"{group_id}/{index}"
+        record = self.records[key]
+        append_generation(record, turn.result(), num_experts=0, started_at=0.0, ended_at=0.0)
+        responses, tools = self.plans[key]
+        done = self.turn[key]
+        if done + 1 < len(responses):
+            record.append_tool([2] * tools[done])
+            self.turn[key] = done + 1
+            return self._turn(key)
+        record.finish(
+            Status.COMPLETED,
+            reason="answered",
+            reward=0.0,
+            completed_version=max(record.versions),
+            completed_at=0.0,
+        )
+        return record
+
+    def publish(self, version: int) -> None:
+        self.published.append(version)
+
+    def train(self, groups: list[list[Trajectory]], version: int) -> StepResult:
+        ids = tuple(t.id for group in groups for t in group)
+        return StepResult(updated=True, skipped="", metrics={}, trajectory_ids=ids)
+
+    def step_ended(self, result: StepResult, staleness: StalenessSummary, scalars: dict[str, float]) -> bool:
+        return True
+
+    def prefix_drift(self, trajectories: Sequence[Trajectory]) -> list[float] | None:
+        return None  # the simulator's drift model, as `pacerl simulate` ranks
+
+
+def multi_turn(**changes: Any) -> SimConfig:
+    """Long-tailed multi-turn episodes on engines whose KV cache overflows (retractions), PACE."""
+    workload = WorkloadConfig(
+        group_size=4,
+        prompt_tokens=Distribution.lognormal(40, 0.5, maximum=128),
+        turns=Distribution.lognormal(2, 0.6, minimum=1, maximum=5),
+        response_tokens=Distribution.lognormal(60, 1.0, maximum=400),
+        tool_tokens=Distribution.lognormal(20, 0.5, maximum=64),
+        tool_latency_s=Distribution.lognormal(0.3, 1.0, maximum=5),
+    )
+    inference = InferenceConfig(
+        gpus_per_engine=1,
+        step_base_s=0.01,
+        step_per_row_s=0.001,
+        step_per_kv_token_s=1e-7,
+        prefill_tokens_per_s=20_000.0,
+        kv_capacity_tokens=3_000,
+        max_running=16,
+    )
+    base = SimConfig(
+        inference_gpus=2,
+        trainer_gpus=1,
+        steps=40,
+        batch_groups=4,
+        filter=FilterConfig(name="pace", max_concurrent_groups=16, pace=PaceSettings(target_groups=4)),
+        weight_sync_s=0.2,
+        token_block=1,
+        workload=workload,
+        inference=inference,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def _pacerl_cpu() -> SimConfig:
+    return dataclasses.replace(PRESETS["pacerl-cpu"]().config, steps=40)
+
+
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("pacerl-cpu", _pacerl_cpu()),
+        ("multi-turn pace", multi_turn()),
+        ("multi-turn max_age, S=2", multi_turn(sync_interval=2, filter=FilterConfig(name="max_age"))),
+        ("multi-turn sync", multi_turn(sync_steps=10)),
+    ],
+)
+def test_the_simulators_plan_through_the_emulated_clock_is_pacerl_simulate(
+    name: str, config: SimConfig
+) -> None:
+    # Compared: the whole ModeResult of the mode, i.e. every step's end time, trajectories, pool and mean
+    # GS/WS, the GS and WS histograms, rejections by reason, interruptions, retractions, tokens generated,
+    # wasted and trained, utilization; equal to the last bit. All but the model segments per trajectory:
+    # the simulator's records start a segment where the KV cache retracted a turn, the emulated ones
+    # (the driver's) one per run of a version, as an engine reports a turn (a retraction is invisible to
+    # the caller); the tokens and their versions are the same.
+    mode = "sync" if "sync" in name else "async"
+    reference = simulate_mode(config, mode)
+    workload = PlannedWorkload()
+    emulated = EmulatedClock(config, mode, workload).run()
+    assert emulated.model_segments_per_trajectory <= reference.model_segments_per_trajectory
+    assert dataclasses.replace(emulated, model_segments_per_trajectory=0.0) == dataclasses.replace(
+        reference, model_segments_per_trajectory=0.0
+    )
+    assert reference.steps == config.steps if mode == "async" else config.baseline_steps
+    assert sum(reference.staleness.gs_hist) > 0
+    if mode == "async":  # the runs are not trivial: publications cut turns, and the filters worked
+        assert reference.interruptions > 0 and sum(reference.staleness.gs_hist[1:]) > 0
+        assert workload.published == list(range(config.sync_interval, config.steps, config.sync_interval))
+    if name.startswith("multi-turn pace"):
+        assert reference.rejected_groups and reference.retractions > 0
+
+
+def test_a_turn_cut_by_publications_keeps_each_versions_tokens_and_routes() -> None:
+    turn = Turn([5, 6, 7], SamplingParams(max_new_tokens=10), routes_start=1)
+    rows = torch.arange(30).reshape(-1, 1, 1).numpy()
+
+    def generation(tokens: int, version: int, first_input: int, inputs: int) -> Generation:
+        routes = rows[first_input : inputs + tokens - 1]
+        return Generation(
+            tuple(range(100 * version, 100 * version + tokens)),
+            (-0.5,) * tokens,
+            (version,) * tokens,
+            FinishReason.STOP,
+            routes,
+            first_input,
+        )
+
+    assert turn.request() == ([5, 6, 7], SamplingParams(max_new_tokens=10), 1)
+    turn.hold(generation(6, 0, 1, 3), 0, 0)
+    turn.commit(2)  # a publication after two tokens of version 0
+    tokens, sampling, start = turn.request()
+    assert tokens == [5, 6, 7, 0, 1] and sampling.max_new_tokens == 8 and start == 4
+    turn.hold(generation(3, 1, 4, 5), 1, 2)
+    turn.commit(0)  # another one before version 1 decoded anything
+    assert turn.request()[2] == 4
+    turn.hold(generation(4, 2, 4, 5), 2, 2)
+    result = turn.result()
+    assert result.tokens == (0, 1, 200, 201, 202, 203)
+    assert result.versions == (0, 0, 2, 2, 2, 2)
+    assert result.routed_experts_start == 1
+    assert result.routed_experts is not None
+    # rows of inputs 1..7: 1 and 2 (prompt) and 3 (version 0's first token kept) from the first call
+    assert result.routed_experts[:, 0, 0].tolist() == list(range(1, 8))
+    with pytest.raises(RuntimeError, match="cannot keep"):
+        turn.commit(4)
+
+
+# -- (2) the emulated sync arm trains on exactly what train_sync trains on ----------------------------
+
+
+class SeededEngine:
+    """The embedded engine with each request's sampler seeded by its session and input length, so that
+    a request samples the same tokens whichever order the two loops issue it in; one row at a time, so
+    that batching cannot change a logit."""
+
+    def __init__(self, inner: EmbeddedEngine) -> None:
+        self.inner = inner
+        self.max_context = inner.max_context
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, **kwargs: Any) -> Generation:
+        seed = zlib.crc32(f"{kwargs.get('session')}:{len(input_ids)}".encode())
+        return await self.inner.generate(input_ids, dataclasses.replace(sampling, seed=seed), **kwargs)
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        await self.inner.update_weights(state_dict, version)
+
+    async def health(self) -> bool:
+        return await self.inner.health()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def _sync_run(warm_model: tuple[Path, Path], run_dir: Path) -> tuple[Run, Any]:
+    config = config_from_dict(
+        small_run(
+            warm_model,
+            run_dir,
+            rollout={"group_size": 4},
+            loop={"mode": "sync", "steps": 3, "batch_groups": 3},
+            filter={"pace": {"target_groups": 3}, "max_concurrent_groups": 3},
+        )
+    )
+    torch.manual_seed(0)
+    model, tokenizer = load_model(warm_model[0])
+    make_env = env_factory(config)
+    twin, _ = load_model(warm_model[0])
+    engine = SeededEngine(EmbeddedEngine(twin, tokenizer, EmbeddedEngineConfig(max_batch=1)))
+    learner = Learner(model, config.learner, pad_id=int(tokenizer.pad_token_id or 0))
+    driver = RolloutDriver(engine, tokenizer, make_env, config.rollout, num_experts=16)
+    run = Run(
+        learner=learner,
+        engine=engine,  # type: ignore[arg-type]
+        driver=driver,
+        tasks=training_tasks(make_env),
+        pool=TrajectoryPool(config.filter),
+        config=config.loop,
+        run_dir=run_dir,
+    )
+    return run, config
+
+
+def _batches(run_dir: Path) -> list[list[str]]:
+    import json
+
+    return [json.loads(line)["ids"] for line in (run_dir / "batches.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_the_emulated_sync_arm_trains_on_exactly_what_train_sync_trains_on(
+    warm_model: tuple[Path, Path], tmp_path: Path
+) -> None:
+    plain, config = _sync_run(warm_model, tmp_path / "plain")
+    emulated, _ = _sync_run(warm_model, tmp_path / "emulated")
+    clock = clock_config(
+        ClockSettings("areal", inference_gpus=96, trainer_gpus=32, token_scale=1),
+        mode="sync",
+        steps=config.loop.steps,
+        batch_groups=config.loop.batch_groups,
+        sync_interval=1,
+        group_size=config.rollout.group_size,
+        max_total_tokens=config.rollout.max_total_tokens,
+        filter_config=config.filter,
+        seed=config.seed,
+    )
+    trained: dict[str, list[Trajectory]] = {"plain": [], "emulated": []}
+    for name, run in (("plain", plain), ("emulated", emulated)):
+        step = run.learner.train_step
+
+        def recording(
+            groups: Sequence[Sequence[Trajectory]], name: str = name, step: Any = step
+        ) -> StepResult:
+            trained[name] += [t for group in groups for t in group]
+            result: StepResult = step(groups)
+            return result
+
+        run.learner.train_step = recording  # type: ignore[method-assign]
+    plain_summary = asyncio.run(train_sync(plain))
+    emulated_summary = asyncio.run(train_emulated(emulated, clock, "sync"))
+    assert plain_summary["version"] >= 1, "no step updated: the comparison would be vacuous"
+    assert emulated_summary["step"] == plain_summary["step"] == 3
+    assert emulated_summary["version"] == plain_summary["version"]
+    assert _batches(tmp_path / "emulated") == _batches(tmp_path / "plain")
+    pairs = list(zip(trained["plain"], trained["emulated"], strict=True))
+    assert pairs and all(a.tokens.tolist() == b.tokens.tolist() for a, b in pairs)
+    assert all(a.token_versions.tolist() == b.token_versions.tolist() for a, b in pairs)
+    assert all(a.reward == b.reward for a, b in pairs)
+    plain_weights, emulated_weights = plain.learner.weights(), emulated.learner.weights()
+    assert all(torch.equal(plain_weights[k], emulated_weights[k]) for k in plain_weights)
+    rows = read_metrics(tmp_path / "emulated" / "metrics.jsonl")
+    times = [row["sim/time_s"] for row in rows]
+    assert len(times) == 3 and times == sorted(times) and times[0] > 0
+    assert [row["sim/gpu_hours"] for row in rows] == pytest.approx([128 * t / 3600 for t in times])
+    assert (tmp_path / "emulated" / "emulation.json").is_file()
+
+
+# -- (3) bad configs ----------------------------------------------------------------------------------
