@@ -34,7 +34,7 @@ from envs import search as search_env
 from envs.chat_template import CHATML_TOOLS_TEMPLATE
 from envs.jsonl import read_jsonl
 from envs.spaces import Message
-from envs.tasks import DATA_DIR
+from envs.tasks import DATA_DIR, Task
 from envs.tools.search import format_documents
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def default_corpus(seed: int = 0, per_env: int = 600) -> list[str]:
     search_schema = get_tool("search").schema()
     texts = []
     for task in load_tasks("codemath-train")[:per_env]:
-        texts.append(_render(renderer, _code_math_episode(task.question, task.answer, rng), [python_schema]))
+        texts.append(_render(renderer, _code_math_episode(task, rng), [python_schema]))
     for task in load_tasks("math-train")[:per_env]:
         texts.append(_render(renderer, _math_episode(task.question, task.answer), None))
     documents = _search_documents()
@@ -196,27 +196,28 @@ def _python_call(code: str) -> str:
     return "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
 
 
-def _code_math_episode(question: str, answer: str, rng: random.Random) -> list[Message]:
-    expression = question.removeprefix("What is ").removesuffix("?")
+def _code_math_episode(task: Task, rng: random.Random) -> list[Message]:
+    """A CodeMath episode on `task` in any of its surface forms: its program (`code_math.task_program`)
+    as a Hermes call or a fenced block, sometimes after a failed first attempt."""
+    code = code_math.task_program(task)
     messages: list[Message] = [
         {"role": "system", "content": code_math.SYSTEM_PROMPT},
-        {"role": "user", "content": question},
+        {"role": "user", "content": task.question},
     ]
     style = rng.random()
     if style < 0.15:
         # A failed first attempt, as the sandbox reports it, then a fixed call.
         messages += [
-            {"role": "assistant", "content": _python_call(f"print({expression}")},
+            {"role": "assistant", "content": _python_call(code.removesuffix(")"))},
             {"role": "tool", "content": "SyntaxError: '(' was never closed"},
         ]
     if style < 0.8:
-        messages.append({"role": "assistant", "content": _python_call(f"print({expression})")})
+        messages.append({"role": "assistant", "content": _python_call(code)})
     else:
-        code = f"x = {expression}\nprint(x)"
         messages.append({"role": "assistant", "content": f"```python\n{code}\n```"})
     messages += [
-        {"role": "tool", "content": answer},
-        {"role": "assistant", "content": f"\\boxed{{{answer}}}"},
+        {"role": "tool", "content": task.answer},
+        {"role": "assistant", "content": f"\\boxed{{{task.answer}}}"},
     ]
     return messages
 

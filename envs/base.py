@@ -10,6 +10,7 @@ no env; a user's env registered as `their_module:Name-v0` gets the same treatmen
 
 - `default_config()`: the `ToolEnvConfig` a run starts from before it sets the episode limits;
 - `validation_tasks`: the shipped validation set `pacerl eval` and a run's evaluations use by default;
+- `extra_validation_tasks`: named validation sets a run's evaluations report separately (held-out forms);
 - `warm_start_steps` and `demonstration(task, style, rng)`: the demonstration styles the env writes,
   with their default SFT steps, and the turns of one demonstration (none: no warm start);
 - `services(settings)`: what the env's tools need started for a run (the Search env's retriever).
@@ -100,6 +101,9 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
     validation_tasks: ClassVar[str | None] = None
     """The shipped validation set (a `load_tasks` name or path) that `pacerl eval` and a run's
     evaluations use when no tasks are named; None: they must be named."""
+    extra_validation_tasks: ClassVar[Mapping[str, str]] = {}
+    """Further validation sets a run evaluates beside the main one, each reported on its own under its
+    name (`eval/<name>/accuracy`), e.g. CodeMath's question forms held out of training."""
     warm_start_steps: ClassVar[Mapping[str, int]] = {}
     """The demonstration styles `demonstration` writes, each with its default SFT steps for a fresh
     model; the first is the default style. Empty: no demonstrations (a fresh model trains without a

@@ -51,6 +51,8 @@ class CodeMathEnv(ToolEnv):
 
     tool_names = ("python",)
     validation_tasks = "codemath-val"
+    # Questions in surface forms no training task is written in (envs.tasks.HELDOUT_FORMS).
+    extra_validation_tasks = {"heldout": "codemath-heldout"}  # noqa: RUF012 (a ClassVar of the base)
     # The teacher opens docs/learnability.md's behaviour gap; its 300 steps put the gap in place. Clean
     # demonstrations stop at 75 (the skill gap: greedy accuracy 30-50%).
     warm_start_steps = {"teacher": 300, "clean": 75}  # noqa: RUF012 (a ClassVar of the base)
@@ -70,7 +72,8 @@ class CodeMathEnv(ToolEnv):
         return boxed_math_reward(final_message, task.answers, self.config.format_weight)
 
     def demonstration(self, task: Task, style: str, rng: random.Random) -> list[Message]:
-        """`clean`: a python call `print(EXPR)`, its output, then `\\boxed{N}`. `teacher`: the same, but on
+        """`clean`: a python call running the task's program (`print(EXPR)`, or a short program for the
+        two-step forms), its output, then `\\boxed{N}`. `teacher`: the same, but on
         easy problems (an operand of at most two digits) the answer comes directly, correctly, with
         probability `TEACHER_DIRECT_P`: a student copies the habit but cannot do the arithmetic, so RL
         has a tool-use behaviour to learn (docs/learnability.md's behaviour gap)."""
@@ -86,16 +89,30 @@ TEACHER_DIRECT_P = 0.8
 """Chance that the "teacher" answers an easy problem directly instead of calling the tool."""
 
 
-def code_math_turns(task: Task, *, direct: bool = False) -> list[Message]:
-    """The assistant and tool turns of a CodeMath demonstration: `print(EXPR)` through the python tool
-    (whose output is the answer) and `\\boxed{N}`; `direct`: only the boxed answer."""
+def task_program(task: Task) -> str:
+    """The python that prints `task`'s answer: the program its generator wrote (`metadata["code"]`, every
+    form of `envs.tasks.codemath_tasks`), else the expression of a plain "What is EXPR?" question."""
+    code = task.metadata.get("code")
+    if isinstance(code, str) and code.strip():
+        return code
     match = _ARITHMETIC_RE.match(task.question)
     if match is None or "**" in match.group(1):
-        raise ValueError(f"task {task.id!r} is not a 'What is EXPR?' arithmetic question: {task.question!r}")
+        raise ValueError(
+            f"task {task.id!r} carries no program (metadata['code']) and is not a 'What is EXPR?' "
+            f"arithmetic question: {task.question!r}"
+        )
+    return f"print({match.group(1)})"
+
+
+def code_math_turns(task: Task, *, direct: bool = False) -> list[Message]:
+    """The assistant and tool turns of a CodeMath demonstration: the task's program (`task_program`)
+    through the python tool, whose output is the answer, then `\\boxed{N}`; `direct`: only the boxed
+    answer."""
+    code = task_program(task)
     answer: Message = {"role": "assistant", "content": f"\\boxed{{{task.answer}}}"}
     if direct:
         return [answer]
-    call = {"name": "python", "arguments": {"code": f"print({match.group(1)})"}}
+    call = {"name": "python", "arguments": {"code": code}}
     return [
         {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
         {"role": "tool", "name": "python", "content": task.answer},

@@ -208,6 +208,142 @@ def arithmetic_tasks(
     return tasks
 
 
+# The CodeMath generator: the same arithmetic in many surface forms. A form is a wording (how the question
+# is asked) crossed with a notation (how the arithmetic is written); a fixed set of (wording, notation)
+# pairs is held out of training, each wording and each notation exactly once, so every held-out question
+# is written with pieces training showed, but combined in a way it never did.
+
+CODEMATH_WORDINGS: dict[str, str] = {
+    "what-is": "What is {e}?",
+    "compute": "Compute {e}.",
+    "calculate": "Calculate {e}",
+    "equals": "{e} = ?",
+    "evaluate": "Evaluate {e}.",
+    "value-of": "Find the value of {e}.",
+}
+"""How a question is asked; `{e}` is the arithmetic in the form's notation."""
+CODEMATH_NOTATIONS = ("spaced", "tight", "cross", "words", "let", "sum")
+"""How the arithmetic is written: `12 * (-34) + 5`, `12*(-34)+5`, `12 × (-34) + 5`, `12 times -34 plus 5`;
+`let`: two steps with a variable (`Let x = 12 * 34. What is x - 5 * 67?`), solved by a small program;
+`sum`: the sum of a list of 3-6 numbers."""
+CODEMATH_FORMS = tuple(f"{w}/{n}" for w in CODEMATH_WORDINGS for n in CODEMATH_NOTATIONS)
+"""Every form, `wording/notation`."""
+HELDOUT_FORMS = (
+    "what-is/words",
+    "compute/let",
+    "calculate/cross",
+    "equals/sum",
+    "evaluate/tight",
+    "value-of/spaced",
+)
+"""The forms no training set holds (`codemath-heldout` is made of them)."""
+TRAINING_FORMS = tuple(form for form in CODEMATH_FORMS if form not in HELDOUT_FORMS)
+
+_WORDS = {"*": "times", "+": "plus", "-": "minus"}
+_SHAPES = {  # the shape of a single-step expression: operands (None) and operators
+    "mul": (None, "*", None),
+    "add-mul": (None, "+", None, "*", None),
+    "mul-sub": (None, "*", None, "-", None),
+    "paren": ("(", None, "+", None, ")", "*", None),
+}
+
+
+def codemath_tasks(count: int, seed: int, forms: Sequence[str], prefix: str = "codemath") -> list[Task]:
+    """`count` CodeMath problems in `forms` (drawn uniformly; names from `CODEMATH_FORMS`), each tagged
+    with its form and the program that solves it (`metadata["form"]`, `metadata["code"]`: what a
+    demonstration runs). Operands have 2-4 digits (a quarter of the single-step problems has one
+    negative operand); `let` problems take two steps through a variable, `sum` problems add 3-6
+    numbers. `level` counts the operations. Deterministic per seed."""
+    unknown = sorted(set(forms) - set(CODEMATH_FORMS))
+    if unknown or not forms:
+        raise ValueError(f"unknown CodeMath forms {unknown} (known: {', '.join(CODEMATH_FORMS)})")
+    rng = random.Random(seed)
+    tasks = []
+    for index in range(count):
+        form = rng.choice(list(forms))
+        wording, notation = form.split("/")
+        setup, phrase, code, value, level = _codemath_problem(rng, notation)
+        asked = CODEMATH_WORDINGS[wording].format(e=phrase)
+        question = setup + (asked[0].upper() + asked[1:] if asked.startswith("the ") else asked)
+        metadata = {"form": form, "code": code}
+        tasks.append(Task(f"{prefix}-{index:05d}", question, (str(value),), level, metadata))
+    return tasks
+
+
+def _operand(rng: random.Random, widths: Sequence[int] = (2, 2, 3, 3, 4)) -> int:
+    width = rng.choice(list(widths))
+    return rng.randint(10 ** (width - 1), 10**width - 1)
+
+
+def _codemath_problem(rng: random.Random, notation: str) -> tuple[str, str, str, int, int]:
+    """(a first step the question states, or "", the arithmetic it asks for, as it writes it, a program
+    printing the answer, the answer, the level)."""
+    if notation == "sum":
+        numbers = [_operand(rng, (1, 2, 3)) for _ in range(rng.randint(3, 6))]
+        listed = ", ".join(str(n) for n in numbers[:-1]) + f" and {numbers[-1]}"
+        return "", f"the sum of {listed}", f"print(sum([{', '.join(map(str, numbers))}]))", sum(numbers), 2
+    if notation == "let":
+        name = rng.choice("xyn")
+        a, b, c, d = (_operand(rng, (2, 3)) for _ in range(4))
+        op = rng.choice("+-")
+        first, second = f"{a} * {b}", f"{c} * {d}"
+        value = a * b + c * d if op == "+" else a * b - c * d
+        code = f"{name} = {first}\nprint({name} {op} {second})"
+        return f"Let {name} = {first}. ", f"{name} {op} {second}", code, value, 3
+    shape = _SHAPES[rng.choice(list(_SHAPES))]
+    slots = [i for i, part in enumerate(shape) if part is None]
+    operands = {i: _operand(rng) for i in slots}
+    if rng.random() < 0.25:
+        negative = rng.choice(slots)
+        operands[negative] = -operands[negative]
+    parts = [str(operands[i]) if part is None else part for i, part in enumerate(shape)]
+    symbolic = " ".join(parts).replace("( ", "(").replace(" )", ")")
+    value = _arithmetic(parts)
+    level = sum(part in _WORDS for part in parts)
+    if notation == "words":
+        phrase = " ".join(_WORDS.get(part, part) for part in parts).replace("( ", "(").replace(" )", ")")
+        code_expression = symbolic
+    else:
+        # A negative operand after an operator is written in parentheses, as people write it.
+        parts = [f"({p})" if p[0] == "-" and parts[i - 1] in _WORDS else p for i, p in enumerate(parts)]
+        code_expression = " ".join(parts).replace("( ", "(").replace(" )", ")")
+        if notation == "tight":
+            code_expression = code_expression.replace(" ", "")
+        phrase = code_expression.replace("*", "×") if notation == "cross" else code_expression
+    return "", phrase, f"print({code_expression})", value, level
+
+
+def _arithmetic(parts: Sequence[str]) -> int:
+    """The value of `parts` (integers, + - * and parentheses) with the usual precedence."""
+    tokens = list(parts)
+
+    def expression(position: int) -> tuple[int, int]:
+        total, position = term(position)
+        while position < len(tokens) and tokens[position] in "+-":
+            sign = 1 if tokens[position] == "+" else -1
+            right, position = term(position + 1)
+            total += sign * right
+        return total, position
+
+    def term(position: int) -> tuple[int, int]:
+        product, position = factor(position)
+        while position < len(tokens) and tokens[position] == "*":
+            right, position = factor(position + 1)
+            product *= right
+        return product, position
+
+    def factor(position: int) -> tuple[int, int]:
+        if tokens[position] == "(":
+            inner, position = expression(position + 1)
+            return inner, position + 1
+        return int(tokens[position]), position + 1
+
+    value, end = expression(0)
+    if end != len(tokens):
+        raise ValueError(f"not an expression: {' '.join(parts)}")
+    return value
+
+
 _SYLLABLES = [
     "ka",
     "lo",
@@ -268,6 +404,15 @@ class ArithmeticSet:
 
 
 @dataclass(frozen=True)
+class CodeMathSet:
+    """A shipped CodeMath task file in varied surface forms: how many, which seed, which forms."""
+
+    count: int
+    seed: int
+    forms: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class FactSet:
     """The shipped search corpus and its questions (search-train and the last 200: search-val)."""
 
@@ -275,9 +420,10 @@ class FactSet:
     seed: int
 
 
-SHIPPED: dict[str, ArithmeticSet | FactSet] = {
-    "codemath-train": ArithmeticSet(2000, seed=1, levels=(1, 2, 3)),
+SHIPPED: dict[str, ArithmeticSet | CodeMathSet | FactSet] = {
+    "codemath-train": CodeMathSet(2000, seed=1, forms=TRAINING_FORMS),
     "codemath-val": ArithmeticSet(200, seed=2, levels=(1, 2, 3)),
+    "codemath-heldout": CodeMathSet(200, seed=7, forms=HELDOUT_FORMS),
     "math-train": ArithmeticSet(2000, seed=3, levels=(1,)),
     "math-val": ArithmeticSet(200, seed=4, levels=(1,)),
     "search-corpus": FactSet(500, seed=5),
@@ -290,6 +436,9 @@ def write_shipped(directory: Path = DATA_DIR) -> None:
     for name, spec in SHIPPED.items():
         if isinstance(spec, ArithmeticSet):
             tasks = arithmetic_tasks(spec.count, spec.seed, spec.levels, prefix=name)
+            write_jsonl(directory / f"{name}.jsonl", (t.to_row() for t in tasks))
+        elif isinstance(spec, CodeMathSet):
+            tasks = codemath_tasks(spec.count, spec.seed, spec.forms, prefix=name)
             write_jsonl(directory / f"{name}.jsonl", (t.to_row() for t in tasks))
         else:
             documents, questions = fact_corpus(spec.entities, spec.seed)

@@ -222,8 +222,12 @@ def background_evaluator(
     make_env: Callable[[], ToolEnv],
 ) -> BackgroundEvaluator:
     """The run's evaluator: its own engine on a twin of `model` at `version`, the held-out tasks
-    (`evaluation.tasks`, else the env's shipped validation set)."""
-    source = config.evaluation.tasks or env_class(config.env.id).validation_tasks
+    (`evaluation.tasks`, else the env's shipped validation set) and the further named sets
+    (`evaluation.extra_tasks`, else the env's `extra_validation_tasks`)."""
+    cls = env_class(config.env.id)
+    source = config.evaluation.tasks or cls.validation_tasks
+    named = config.evaluation.extra_tasks
+    extra = cls.extra_validation_tasks if named is None else named
     if source is None:
         raise ConfigError(
             f"config: evaluation.tasks: {config.env.id} ships no validation set: name a task file, or "
@@ -237,4 +241,5 @@ def background_evaluator(
         config.evaluation.settings,
         every=config.evaluation.every,
         num_experts=num_experts(model),
+        extra_tasks={name: load_tasks(path) for name, path in extra.items()},
     )

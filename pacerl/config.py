@@ -128,6 +128,10 @@ class EvalSpec:
     """Evaluate after the last step (awaited: the run's final figure)."""
     tasks: str | None = None
     """Held-out tasks; None: the env's shipped validation set."""
+    extra_tasks: dict[str, str] | None = None
+    """Further held-out sets evaluated beside `tasks`, by name (a shipped set name or a task file), each
+    reported on its own as `eval/<name>/*`; None: the env's (`ToolEnv.extra_validation_tasks`, e.g.
+    CodeMath's held-out question forms as `heldout`); {} none."""
     settings: EvalConfig = field(default_factory=_greedy_eval)
     """How episodes are sampled and scored (default: greedy, one sample, the first 200 tasks)."""
 

@@ -216,6 +216,12 @@ def report(summary: Mapping[str, Any], run_dir: Path) -> str:
             f"validation accuracy {first['eval/accuracy']:.3f} (step {first['step']}) -> "
             f"{last['eval/accuracy']:.3f} (step {last['step']}), {gain:+.1f} points"
         )
+        for key in sorted(k for k in last if k.startswith("eval/") and k.count("/") == 2):
+            if key.endswith("/accuracy") and key in first:  # a further set (`evaluation.extra_tasks`)
+                gain = 100 * (last[key] - first[key])
+                lines.append(
+                    f"  {key.split('/')[1]}: {first[key]:.3f} -> {last[key]:.3f}, {gain:+.1f} points"
+                )
     lines.append(f"run directory {run_dir}: {SUMMARY_FILE}, metrics.jsonl, tb/, plots/, checkpoints/, model/")
     if summary.get("interrupted"):
         lines.append(f"stopped early; continue with: pacerl train --resume {run_dir}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -33,6 +33,7 @@ class BackgroundEvaluator:
         *,
         every: int,
         num_experts: int = 0,
+        extra_tasks: Mapping[str, Sequence[Task]] | None = None,
     ) -> None:
         self.engine = engine
         """The evaluator's own engine, holding a snapshot of the trained weights (never the trainer's)."""
@@ -43,6 +44,13 @@ class BackgroundEvaluator:
         self.every = every
         """Steps between background evaluations (0: only `now`)."""
         self.num_experts = num_experts
+        self.extra_tasks = {name: list(tasks) for name, tasks in (extra_tasks or {}).items()}
+        """Further held-out sets by name, each scored with the same weights and reported on its own as
+        `eval/<name>/*` (e.g. question forms held out of training)."""
+        if any(not name or "/" in name for name in self.extra_tasks):
+            raise ValueError(
+                f"extra evaluation set names must be non-empty without '/': {list(self.extra_tasks)}"
+            )
         self.running: asyncio.Task[None] | None = None
         self.reports: list[dict[str, Any]] = []
         """One dict per evaluation: step, version and the `eval/*` scalars."""
@@ -68,25 +76,33 @@ class BackgroundEvaluator:
 
     async def _evaluate(self, run: Run, step: int) -> None:
         version = self.engine.version
-        report = await evaluate(
-            self.engine,
-            self.tokenizer,
-            self.make_env,
-            self.tasks,
-            self.settings,
-            num_experts=self.num_experts,
-            label=f"step {step}, version {version}",
-        )
-        scalars = {
-            "eval/accuracy": report.avg_at_k,
-            "eval/mean_reward": report.mean_reward,
-            "eval/tool_call_rate": report.tool_call_rate,
-            "eval/version": float(version),
-            **{f"eval/pass_at_{k}": value for k, value in report.pass_at_k.items()},
-        }
+        scalars: dict[str, float] = {"eval/version": float(version)}
+        for name, tasks in [("", self.tasks), *self.extra_tasks.items()]:
+            report = await evaluate(
+                self.engine,
+                self.tokenizer,
+                self.make_env,
+                tasks,
+                self.settings,
+                num_experts=self.num_experts,
+                label=f"step {step}, version {version}" + (f", {name}" if name else ""),
+            )
+            prefix = f"eval/{name}/" if name else "eval/"
+            scalars |= {
+                f"{prefix}accuracy": report.avg_at_k,
+                f"{prefix}mean_reward": report.mean_reward,
+                f"{prefix}tool_call_rate": report.tool_call_rate,
+                **{f"{prefix}pass_at_{k}": value for k, value in report.pass_at_k.items()},
+            }
+            log.info(
+                "eval at step %d (version %d)%s: accuracy %.3f",
+                step,
+                version,
+                f" on {name}" if name else "",
+                report.avg_at_k,
+            )
         run.metrics.write(step, scalars)
         self.reports.append({"step": step, "version": version, **scalars})
-        log.info("eval at step %d (version %d): accuracy %.3f", step, version, report.avg_at_k)
 
     async def aclose(self) -> None:
         if self.running is not None:
