@@ -42,7 +42,9 @@ class CodeMathEnv(ToolEnv):
     `on_tool_error="truncate"`.
 
     ## Arguments
-    `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default `codemath-train`);
+    `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default `codemath-train`:
+    arithmetic in 30 surface forms, `envs.tasks.codemath_tasks`; validation on `codemath-val`, and on the
+    six forms held out of training, `codemath-heldout`, reported on its own);
     `config`: a `ToolEnvConfig`; `render_mode`: None or "ansi".
 
     ## Version History

@@ -262,6 +262,8 @@ def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:
     assert (run_dir / "warm_start" / "config.json").is_file()
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows if "eval/accuracy" in row] == [0, 1, 2]
+    # CodeMath's held-out question forms, evaluated beside the main set and reported on their own.
+    assert [row["step"] for row in rows if "eval/heldout/accuracy" in row] == [0, 1, 2]
     assert sum(row.get("trajectories", 0) for row in rows if "reward" in row) >= 16
     assert (run_dir / "plots" / "reward.png").is_file() and (run_dir / "model" / "config.json").is_file()
     assert "sft (teacher) step 1/4  loss" in trained.stderr  # the warm start shows its progress
@@ -269,6 +271,10 @@ def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:
     assert summary["step"] == 2 and [e["step"] for e in summary["evaluations"]] == [0, 1, 2]
     first, last = summary["evaluations"][0]["eval/accuracy"], summary["evaluations"][-1]["eval/accuracy"]
     assert f"validation accuracy {first:.3f} (step 0) -> {last:.3f} (step 2)" in trained.stdout
+    first, last = (
+        e["eval/heldout/accuracy"] for e in (summary["evaluations"][0], summary["evaluations"][-1])
+    )
+    assert f"  heldout: {first:.3f} -> {last:.3f}" in trained.stdout
 
 
 @pytest.mark.slow
