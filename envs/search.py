@@ -18,7 +18,7 @@ from envs.retriever import BM25Index, local_retriever
 from envs.rewards import Reward, answer_tag_reward, exact_match, f1_score
 from envs.spaces import Message
 from envs.tasks import DATA_DIR, Task, load_tasks
-from envs.tools.core import ToolError, get_tool
+from envs.tools.core import ToolError
 from envs.tools.search import format_documents, retrieve
 
 SYSTEM_PROMPT = (
@@ -118,40 +118,42 @@ class SearchEnv(ToolEnv):
         return Parsed(tuple(calls), parsed.errors)
 
     def demonstration(self, task: Task, style: str, rng: random.Random) -> list[Message]:
-        """`clean`: a search for the question's subject (the whole question if it names none), the
-        passages the shipped BM25 corpus returns for it (as the search tool formats them), then
-        `<answer> A </answer>`."""
+        """`clean`: one search per hop (the subject, then for a two-hop question the entity the first
+        passage names), each with the passages the shipped BM25 corpus returns for it (as the search
+        tool formats them), then `<answer> A </answer>` (`search_turns`)."""
         if style != "clean":
             raise ValueError(f"{type(self).__name__} writes clean demonstrations, not {style!r}")
         return search_turns(task)
 
 
-_SUBJECT_RE = re.compile(r"was (\w+) first recorded|described (\w+)\?")
+DEMONSTRATION_TOPK = 1
+"""Passages each demonstrated search asks for: BM25 ranks the searched entity's own passage first for
+every shipped question (tests/envs/test_search_world.py), and one passage a search keeps a two-hop
+episode within the default 256-token context."""
 
 
 def search_turns(task: Task) -> list[Message]:
-    """The assistant and tool turns of a Search demonstration (`SearchEnv.demonstration`)."""
-    match = _SUBJECT_RE.search(task.question)
-    query = next(group for group in match.groups() if group) if match else task.question
-    call = {"name": "search", "arguments": {"query": query}}
-    (hits,) = _shipped_index().search([query], _search_topk())
-    return [
-        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
-        {"role": "tool", "name": "search", "content": format_documents([doc for doc, _ in hits])},
-        {"role": "assistant", "content": f"<answer> {task.answer} </answer>"},
-    ]
+    """The assistant and tool turns of a Search demonstration (`SearchEnv.demonstration`): one search
+    per hop for the entity `task.metadata["queries"]` names (the shipped world's tasks carry them:
+    `envs.search_world`; a task without them searches its whole question once), each with
+    `topk` `DEMONSTRATION_TOPK` and followed by the passage the shipped BM25 corpus returns for it,
+    then `<answer> A </answer>`."""
+    queries = task.metadata.get("queries") or [task.question]
+    turns: list[Message] = []
+    for query in queries:
+        call = {"name": "search", "arguments": {"query": str(query), "topk": DEMONSTRATION_TOPK}}
+        (hits,) = _shipped_index().search([str(query)], DEMONSTRATION_TOPK)
+        turns += [
+            {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+            {"role": "tool", "name": "search", "content": format_documents([doc for doc, _ in hits])},
+        ]
+    return [*turns, {"role": "assistant", "content": f"<answer> {task.answer} </answer>"}]
 
 
 @functools.cache
 def _shipped_index() -> BM25Index:
     """The shipped corpus, as `pacerl serve retriever` serves it by default."""
     return BM25Index.from_jsonl(DATA_DIR / "search-corpus.jsonl")
-
-
-def _search_topk() -> int:
-    """The search tool's default `topk` (the demonstrations' calls leave it out)."""
-    properties = get_tool("search").schema()["function"]["parameters"]["properties"]
-    return int(properties["topk"]["default"])
 
 
 # -- Search-R1 mode ---------------------------------------------------------------------------------------

@@ -174,12 +174,12 @@ def test_search_envs_made_by_the_training_path_reach_the_in_process_retriever() 
     make_env = env_factory(config_from_dict({"env": {"id": "pacerl/Search-v0", "tasks": "search-val"}}))
     with local_retriever() as url:
         env = with_settings(make_env, {"retriever_url": url})()
-        env.reset(options={"task": Task("k", "Which explorer first described Kaloter?", ("Orlo",))})
-        call = '<tool_call>{"name": "search", "arguments": {"query": "Kaloter"}}</tool_call>'
+        env.reset(options={"task": Task("k", "Who founded Ardbridan?", ("Galphadra",))})
+        call = '<tool_call>{"name": "search", "arguments": {"query": "Ardbridan"}}</tool_call>'
         (response,), _, _, _, info = env.step(call)
         env.close()
     assert not info["error"] and info["tool_calls"] == 1
-    assert response["content"].startswith("Doc 1(Title: Kaloter)") and "Orlo" in response["content"]
+    assert response["content"].startswith("Doc 1(Title: Ardbridan)") and "Galphadra" in response["content"]
 
 
 def test_main_eval_rejects_bad_input_before_running(tmp_path: Path) -> None:

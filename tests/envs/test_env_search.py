@@ -17,7 +17,7 @@ from envs.search import SearchEnv
 from envs.tasks import DATA_DIR, Task, load_tasks
 from tests.helpers import ThreadServer, free_port, record_http_requests
 
-KALOTER = Task("kaloter", "Which explorer first described Kaloter?", ("Orlo",))
+ARDBRIDAN = Task("ardbridan", "Who founded Ardbridan?", ("Galphadra",))
 
 
 @pytest.fixture(scope="module")
@@ -32,24 +32,36 @@ def search_call(query: str) -> str:
     return f"<tool_call>{json.dumps({'name': 'search', 'arguments': {'query': query}})}</tool_call>"
 
 
-def read_answer(question: str, passages: str) -> str | None:
-    """The scripted policy's reading: the fact the question asks for, from the entity's passage."""
-    match = re.fullmatch(
-        r"In which year was (\w+) first recorded\?|Which explorer first described (\w+)\?", question
-    )
-    assert match, question
-    entity = match.group(1) or match.group(2)
+FACTS = {
+    "founder": r"founded in \d+ by (\w+)",
+    "founded": r"founded in (\d+)",
+    "river": r"on the river (\w+)",
+    "birthplace": r"born in (\w+)",
+    "born": r"born in \w+ in (\d+)",
+    "teacher": r"taught by (\w+)",
+}
+"""Where each relation's value stands in a passage of the shipped world (envs/search_world.py)."""
+
+
+def read_answer(task: Task, passages: str) -> str | None:
+    """The scripted policy's reading of a single-hop question: the fact it asks for, from the passage
+    of the entity it is about."""
+    (entity,), (relation,) = task.metadata["queries"], task.metadata["relations"]
     passage = re.search(rf"^Doc \d+\(Title: {entity}\) (.*)$", passages, flags=re.MULTILINE)
     if passage is None:
         return None
-    fact = r"first recorded in (\d+)" if match.group(1) else r"the explorer (\w+) described"
-    found = re.search(fact, passage.group(1))
+    found = re.search(FACTS[relation], passage.group(1))
     return found.group(1) if found else None
+
+
+def single_hop(tasks: list[Task]) -> list[Task]:
+    return [task for task in tasks if task.metadata["hops"] == 1]
 
 
 def test_scripted_policy_solves_val_episodes(url: str) -> None:
     env = gymnasium.make("pacerl/Search-v0", tasks="search-val", retriever_url=url)
-    tasks = load_tasks("search-val")[:25]
+    tasks = single_hop(load_tasks("search-val"))[:25]
+    assert {task.metadata["relations"][0] for task in tasks} == set(FACTS)
     for task in tasks:
         observation, info = env.reset(options={"task_id": task.id})
         assert [m["role"] for m in observation] == ["system", "user"] and info["tools"] == ["search"]
@@ -67,7 +79,7 @@ def test_scripted_policy_solves_val_episodes(url: str) -> None:
         (message,) = observation
         assert message["role"] == "tool" and message["name"] == "search"
         assert message["content"].startswith("Doc 1(Title: ") and len(message["content"].splitlines()) == 3
-        answer = read_answer(task.question, message["content"])
+        answer = read_answer(task, message["content"])
         assert answer == task.answer, message["content"]
         observation, reward, terminated, truncated, info = env.step(
             f"It says so.\n<answer> {answer} </answer>"
@@ -80,22 +92,22 @@ def test_scripted_policy_solves_val_episodes(url: str) -> None:
 @pytest.mark.parametrize(
     ("final", "total", "correctness", "formatted", "f1"),
     [
-        ("<answer>Orlo</answer>", 1.0, 1.0, 1.0, 1.0),
-        ("<answer>the orlo.</answer>", 1.0, 1.0, 1.0, 1.0),  # SQuAD normalization
+        ("<answer>Galphadra</answer>", 1.0, 1.0, 1.0, 1.0),
+        ("<answer>the galphadra.</answer>", 1.0, 1.0, 1.0, 1.0),  # SQuAD normalization
         ("<answer>Briwyn</answer>", 0.0, 0.0, 1.0, 0.0),
-        ("<answer>explorer Orlo</answer>", 0.0, 0.0, 1.0, 2 / 3),  # partial credit shows only in F1
-        ("<answer>Briwyn</answer> no wait <answer>Orlo</answer>", 1.0, 1.0, 1.0, 1.0),  # the last tag
-        ("The explorer was Orlo.", 0.0, 0.0, 0.0, 0.0),  # no tag, no reward
-        ("<answer>Orlo", 0.0, 0.0, 0.0, 0.0),  # unclosed
+        ("<answer>founder Galphadra</answer>", 0.0, 0.0, 1.0, 2 / 3),  # partial credit shows only in F1
+        ("<answer>Briwyn</answer> no wait <answer>Galphadra</answer>", 1.0, 1.0, 1.0, 1.0),  # the last tag
+        ("The founder was Galphadra.", 0.0, 0.0, 0.0, 0.0),  # no tag, no reward
+        ("<answer>Galphadra", 0.0, 0.0, 0.0, 0.0),  # unclosed
         ("<answer>  </answer>", 0.0, 0.0, 0.0, 0.0),
     ],
 )
 def test_rewards_exact_match_with_f1_reported(
     url: str, final: str, total: float, correctness: float, formatted: float, f1: float
 ) -> None:
-    env = SearchEnv(tasks=[KALOTER], retriever_url=url)
+    env = SearchEnv(tasks=[ARDBRIDAN], retriever_url=url)
     env.reset(seed=0)
-    env.step(search_call("Kaloter explorer"))
+    env.step(search_call("Ardbridan founder"))
     observation, reward, terminated, truncated, info = env.step(final)
     assert (observation, reward, terminated, truncated) == ((), total, True, False)
     breakdown = info["reward_breakdown"]
@@ -109,8 +121,12 @@ def test_rewards_exact_match_with_f1_reported(
 
 
 def test_format_weight_rewards_a_well_formed_wrong_answer(url: str) -> None:
-    env = SearchEnv(tasks=[KALOTER], config=ToolEnvConfig(tool_formats=("hermes",), format_weight=0.1))
-    for final, reward in [("<answer>Briwyn</answer>", 0.1), ("Briwyn", 0.0), ("<answer>Orlo</answer>", 1.0)]:
+    env = SearchEnv(tasks=[ARDBRIDAN], config=ToolEnvConfig(tool_formats=("hermes",), format_weight=0.1))
+    for final, reward in [
+        ("<answer>Briwyn</answer>", 0.1),
+        ("Briwyn", 0.0),
+        ("<answer>Galphadra</answer>", 1.0),
+    ]:
         env.reset()
         assert env.step(final)[1] == pytest.approx(reward), final
     env.close()
@@ -118,10 +134,10 @@ def test_format_weight_rewards_a_well_formed_wrong_answer(url: str) -> None:
 
 def test_retriever_down_is_an_observation_and_the_episode_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    env = SearchEnv(tasks=[KALOTER], retriever_url=dead, render_mode="ansi")
+    env = SearchEnv(tasks=[ARDBRIDAN], retriever_url=dead, render_mode="ansi")
     env.reset()
     sent = record_http_requests(monkeypatch)
-    observation, reward, terminated, truncated, info = env.step(search_call("Kaloter"))
+    observation, reward, terminated, truncated, info = env.step(search_call("Ardbridan"))
     # One attempt, refused (ConnectError below, not a timeout): the step did not wait or retry.
     assert [str(request.url) for request in sent] == [f"{dead}/retrieve"]
     assert (reward, terminated, truncated, info["error"], info["tool_errors"]) == (0.0, False, False, True, 1)
@@ -129,29 +145,29 @@ def test_retriever_down_is_an_observation_and_the_episode_goes_on(monkeypatch: p
         f"Error: the search service at {dead}/retrieve is unreachable (ConnectError)"
     )
     assert info["step_errors"] == [observation[0]["content"].removeprefix("Error: ")]
-    _, reward, terminated, _, info = env.step("<answer>Orlo</answer>")  # the model answers anyway
+    _, reward, terminated, _, info = env.step("<answer>Galphadra</answer>")  # the model answers anyway
     assert (reward, terminated, info["error"]) == (1.0, True, False)
     assert "unreachable" in (env.render() or "")
     env.close()
 
     truncating = SearchEnv(
-        tasks=[KALOTER],
+        tasks=[ARDBRIDAN],
         config=ToolEnvConfig(tool_formats=("hermes",), on_tool_error="truncate"),
         retriever_url=dead,
     )
     truncating.reset()
-    observation, reward, terminated, truncated, info = truncating.step(search_call("Kaloter"))
+    observation, reward, terminated, truncated, info = truncating.step(search_call("Ardbridan"))
     assert (reward, terminated, truncated, info["truncation_reason"]) == (0.0, False, True, "tool_error")
     assert observation[0]["content"].startswith("Error: the search service")
     with pytest.raises(RuntimeError, match="reset"):
-        truncating.step("<answer>Orlo</answer>")
+        truncating.step("<answer>Galphadra</answer>")
     truncating.close()
 
 
 def test_unconfigured_retriever_and_bad_calls_are_observations() -> None:
-    env = SearchEnv(tasks=[KALOTER])
+    env = SearchEnv(tasks=[ARDBRIDAN])
     env.reset()
-    observation, _, terminated, _, info = env.step(search_call("Kaloter"))
+    observation, _, terminated, _, info = env.step(search_call("Ardbridan"))
     assert not terminated and info["error"]
     assert "no search service is configured" in observation[0]["content"]
     observation, _, _, _, info = env.step(
@@ -166,33 +182,33 @@ def test_unconfigured_retriever_and_bad_calls_are_observations() -> None:
 
 def test_settings_and_the_retriever_url_argument(url: str) -> None:
     config = ToolEnvConfig(tool_formats=("hermes",), settings={"retriever_url": "http://127.0.0.1:9", "x": 1})
-    env = SearchEnv(tasks=[KALOTER], config=config, retriever_url=url)
+    env = SearchEnv(tasks=[ARDBRIDAN], config=config, retriever_url=url)
     assert env.config.settings == {"retriever_url": url, "x": 1} and env.config.tool_formats == ("hermes",)
     assert config.settings["retriever_url"] == "http://127.0.0.1:9"  # the caller's config is not changed
     env.reset()
-    observation, *_ = env.step(search_call("Kaloter"))
-    assert observation[0]["content"].startswith("Doc 1(Title: Kaloter)")
+    observation, *_ = env.step(search_call("Ardbridan"))
+    assert observation[0]["content"].startswith("Doc 1(Title: Ardbridan)")
     env.close()
 
-    from_settings = SearchEnv(tasks=[KALOTER], config=ToolEnvConfig(settings={"retriever_url": url}))
+    from_settings = SearchEnv(tasks=[ARDBRIDAN], config=ToolEnvConfig(settings={"retriever_url": url}))
     from_settings.reset()
-    assert from_settings.step(search_call("Kaloter"))[0][0]["content"].startswith("Doc 1(Title: Kaloter)")
+    assert from_settings.step(search_call("Ardbridan"))[0][0]["content"].startswith("Doc 1(Title: Ardbridan)")
     from_settings.close()
 
     default = SearchEnv()
-    assert len(default.tasks) == 800 and default.tasks[0].id.startswith("fact-")
+    assert len(default.tasks) == 16_000 and default.tasks[0].id.startswith("search-train-")
     assert [schema["function"]["name"] for schema in default.tool_schemas()] == ["search"]
     default.close()
 
 
 async def test_many_episodes_step_concurrently_on_one_loop(url: str) -> None:
-    tasks = load_tasks("search-val")[:32]
+    tasks = single_hop(load_tasks("search-val"))[:32]
     environments = [SearchEnv(tasks=tasks, retriever_url=url) for _ in tasks]
 
     async def play(env: SearchEnv, task: Task) -> float:
         env.reset(options={"task": task})
         observation, *_ = await env.astep(search_call(task.question))
-        answer = read_answer(task.question, observation[0]["content"])
+        answer = read_answer(task, observation[0]["content"])
         _, reward, terminated, _, _ = await env.astep(f"<answer>{answer}</answer>")
         assert terminated
         return reward
@@ -212,21 +228,21 @@ def test_gymnasium_env_checker_passes(url: str) -> None:
 
 
 def test_search_r1_search_tags_are_calls_too(url: str) -> None:
-    env = SearchEnv(tasks=[KALOTER], retriever_url=url)
+    env = SearchEnv(tasks=[ARDBRIDAN], retriever_url=url)
     env.reset()
     observation, _, terminated, _, info = env.step(
-        "<search> Kaloter explorer </search> and " + search_call("Kaloter markets")
+        "<search> Ardbridan founder </search> and " + search_call("Ardbridan river")
     )
     assert not terminated and info["tool_calls"] == 2 and not info["error"]
     assert [m["name"] for m in observation] == ["search", "search"]
-    assert all(m["content"].startswith("Doc 1(Title: Kaloter)") for m in observation)
+    assert all(m["content"].startswith("Doc 1(Title: Ardbridan)") for m in observation)
     env.close()
 
 
 def test_a_refused_query_tells_the_model_why(url: str) -> None:
-    env = SearchEnv(tasks=[KALOTER], config=ToolEnvConfig(), retriever_url=url)
+    env = SearchEnv(tasks=[ARDBRIDAN], config=ToolEnvConfig(), retriever_url=url)
     env.reset()
-    observation, _, terminated, _, info = env.step(search_call("Kaloter " * 200))  # over the length cap
+    observation, _, terminated, _, info = env.step(search_call("Ardbridan " * 200))  # over the length cap
     content = observation[0]["content"]
     assert not terminated and info["error"], observation
     assert "HTTP 422" in content and "512" in content, content  # the cap it broke, not just a code

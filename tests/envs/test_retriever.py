@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -42,7 +41,6 @@ from tests.hostile_http import (
 )
 
 CORPUS = DATA_DIR / "search-corpus.jsonl"
-QUESTION = re.compile(r"In which year was (\w+) first recorded\?|Which explorer first described (\w+)\?")
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +61,22 @@ def title(document: dict[str, str]) -> str:
 # -- BM25 ------------------------------------------------------------------------------------------------
 
 
-def test_bm25_ranks_the_entity_document_first_for_every_shipped_question(index: BM25Index) -> None:
-    tasks = load_tasks("search-val") + load_tasks("search-train")
+def test_bm25_ranks_the_subject_high_for_every_shipped_question(index: BM25Index) -> None:
+    """Asked the whole question, BM25 ranks the passage of the entity it is about (a two-hop
+    question's first hop) first or nearly."""
+    tasks = load_tasks("search-val") + load_tasks("search-train")[:1600]
     results = index.search([task.question for task in tasks], topk=3)
-    correct = 0
+    first = top3 = 0
     for task, hits in zip(tasks, results, strict=True):
-        match = QUESTION.fullmatch(task.question)
-        assert match, task.question
-        entity = match.group(1) or match.group(2)
-        document = hits[0][0]
-        correct += title(document) == entity and task.answer in document["contents"]
-    # Measured: 1000 of 1000 (200 val + 800 train) with Lucene BM25, k1=0.9, b=0.4.
-    assert correct / len(tasks) >= 0.99, f"top-1 accuracy {correct}/{len(tasks)}"
+        subject = task.metadata["queries"][0]
+        single = task.metadata["hops"] == 1
+        found = [title(doc) == subject and (not single or task.answer in doc["contents"]) for doc, _ in hits]
+        first += found[0]
+        top3 += any(found)
+    # Measured with Lucene BM25, k1=0.9, b=0.4: first for 1,910 of 2,000 (400 val + 1,600 train; the
+    # question's other words, "founded", "born", pull in the passages that mention the subject), in
+    # the top 3 for all 2,000. The demonstrations search the bare name (test_search_world.py).
+    assert first / len(tasks) >= 0.93 and top3 / len(tasks) >= 0.99, (first, top3, len(tasks))
     scores = [score for hits in results for score in (s for _, s in hits)]
     assert all(score > 0 for score in scores)
     assert all([s for _, s in hits] == sorted((s for _, s in hits), reverse=True) for hits in results)
@@ -85,7 +87,10 @@ def test_ranking_equals_bm25s_own_retrieval(index: BM25Index) -> None:
     contents = [json.loads(line)["contents"] for line in CORPUS.read_text().splitlines()]
     reference = bm25s.BM25(k1=0.9, b=0.4, method="lucene")
     reference.index(bm25s.tokenize(contents, stopwords="en", show_progress=False), show_progress=False)
-    queries = [task.question for task in load_tasks("search-val")] + ["Kaloter markets", "city near Saorka"]
+    queries = [task.question for task in load_tasks("search-val")] + [
+        "Ardbridan river",
+        "city on the river Karath",
+    ]
     tokens = bm25s.tokenize(queries, stopwords="en", return_ids=False, show_progress=False)
     _, best_scores = reference.retrieve(tokens, k=5, show_progress=False)
     for hits, query_tokens, wanted in zip(index.search(queries, topk=5), tokens, best_scores, strict=True):
@@ -96,15 +101,15 @@ def test_ranking_equals_bm25s_own_retrieval(index: BM25Index) -> None:
 
 
 def test_search_edge_cases(index: BM25Index) -> None:
-    assert len(index) == 500
+    assert len(index) == 20_000
     assert index.search([], topk=3) == []
     nothing = index.search(["", "the of and", "zzzqqq", "\ud800", "?" * 10_000], topk=3)
     assert nothing == [[], [], [], [], []]  # no shared term, no hit (as from Lucene)
     # topk beyond the corpus is capped at the documents that match at all.
-    (every,) = index.search(["markets"], topk=10_000)
-    assert len(every) == 500 and {doc["id"] for doc, _ in every} == {str(i) for i in range(500)}
-    (only,) = index.search(["Kaloter Kaloter recorded"], topk=1)
-    assert len(only) == 1 and title(only[0][0]) == "Kaloter" and set(only[0][0]) == {"id", "contents"}
+    (every,) = index.search(["city taught"], topk=100_000)  # every place and every person
+    assert len(every) == 20_000 and {doc["id"] for doc, _ in every} == {str(i) for i in range(20_000)}
+    (only,) = index.search(["Ardbridan Ardbridan founded"], topk=1)
+    assert len(only) == 1 and title(only[0][0]) == "Ardbridan" and set(only[0][0]) == {"id", "contents"}
     with pytest.raises(ValueError, match="topk"):
         index.search(["x"], topk=0)
 
@@ -155,7 +160,7 @@ def post(url: str, **request: Any) -> httpx.Response:
 
 
 def test_scored_batch_has_search_r1s_exact_shape(url: str, index: BM25Index) -> None:
-    queries = ["Which explorer first described Kaloter?", "In which year was Venlopha first recorded?", "zzz"]
+    queries = ["Who founded Ardbridan?", "In which year was Ardfenpol founded?", "zzz"]
     response = post(url, json={"queries": queries, "topk": 2, "return_scores": True})
     assert response.status_code == 200
     body = response.json()
@@ -167,31 +172,31 @@ def test_scored_batch_has_search_r1s_exact_shape(url: str, index: BM25Index) -> 
         assert all(set(hit["document"]) == {"id", "contents"} for hit in hits)
         assert [hit["score"] for hit in hits] == pytest.approx([score for _, score in wanted])
         assert all(isinstance(hit["score"], float) for hit in hits)
-    assert title(body["result"][0][0]["document"]) == "Kaloter" and len(body["result"][0]) == 2
+    assert title(body["result"][0][0]["document"]) == "Ardbridan" and len(body["result"][0]) == 2
     assert body["result"][2] == []
 
 
 def test_unscored_default_topk_and_single_query(url: str) -> None:
     # return_scores defaults to false: bare documents; topk null (or absent) means the default 3.
-    for request in ({"queries": ["Kaloter markets"]}, {"queries": ["Kaloter markets"], "topk": None}):
+    for request in ({"queries": ["Ardbridan river"]}, {"queries": ["Ardbridan river"], "topk": None}):
         body = post(url, json=request).json()
         assert set(body) == {"result"} and len(body["result"]) == 1 and len(body["result"][0]) == 3
         assert all(set(hit) == {"id", "contents"} for hit in body["result"][0])
-        assert title(body["result"][0][0]) == "Kaloter"
-    batched = post(url, json={"queries": ["Kaloter", "Venlopha"], "topk": 1}).json()["result"]
-    assert [title(hits[0]) for hits in batched] == ["Kaloter", "Venlopha"]
-    single = post(url, json={"query": "Venlopha", "topk": 1, "return_scores": True}).json()
+        assert title(body["result"][0][0]) == "Ardbridan"
+    batched = post(url, json={"queries": ["Ardbridan", "Ardfenpol"], "topk": 1}).json()["result"]
+    assert [title(hits[0]) for hits in batched] == ["Ardbridan", "Ardfenpol"]
+    single = post(url, json={"query": "Ardfenpol", "topk": 1, "return_scores": True}).json()
     assert set(single) == {"result"} and len(single["result"]) == 1
-    assert title(single["result"][0][0]["document"]) == "Venlopha" and single["result"][0][0]["score"] > 0
+    assert title(single["result"][0][0]["document"]) == "Ardfenpol" and single["result"][0][0]["score"] > 0
     assert post(url, json={"queries": []}).json() == {"result": []}
     # Fields Search-R1's model does not know are ignored, as there.
-    assert post(url, json={"query": "Kaloter", "topk": 1, "extra": 1}).status_code == 200
+    assert post(url, json={"query": "Ardbridan", "topk": 1, "extra": 1}).status_code == 200
 
 
 def test_health(url: str) -> None:
     assert httpx.get(f"{url}/health", timeout=5).json() == {
         "status": "ok",
-        "documents": 500,
+        "documents": 20_000,
         "default_topk": 3,
         "max_topk": 100,
     }
@@ -239,7 +244,7 @@ def test_malformed_requests_are_422_with_a_clear_message(
 def test_oversized_body_is_413(url: str) -> None:
     response = post(url, content=b" " * (CAPS.max_body_bytes + 1), headers=JSON)
     assert response.status_code == 413 and "larger than" in response.json()["detail"]
-    assert post(url, json={"query": "Kaloter"}).status_code == 200  # the server carries on
+    assert post(url, json={"query": "Ardbridan"}).status_code == 200  # the server carries on
 
 
 def test_create_app_validates_the_default_topk(index: BM25Index) -> None:
@@ -254,21 +259,20 @@ def test_create_app_validates_the_default_topk(index: BM25Index) -> None:
 async def test_search_tool_reads_passages_from_the_server(url: str, index: BM25Index) -> None:
     search = get_tool("search")
     context = ToolContext({"retriever_url": url})
-    text = await search({"query": "Which explorer first described Kaloter?"}, context)
+    text = await search({"query": "Who founded Ardbridan?"}, context)
     lines = text.splitlines()
-    assert len(lines) == 3 and lines[0].startswith("Doc 1(Title: Kaloter) Kaloter is a city")
-    assert "the explorer Orlo described it" in lines[0] and lines[2].startswith("Doc 3(Title: ")
-    assert await search({"query": "Kaloter", "topk": 1}, context) == (
-        "Doc 1(Title: Kaloter) Kaloter is a city near Saorka. It was first recorded in 1185, "
-        "when the explorer Orlo described it. Travellers know Kaloter for its markets."
+    assert len(lines) == 3 and lines[0].startswith("Doc 1(Title: Ardbridan) Ardbridan is a city")
+    assert "founded in 1394 by Galphadra" in lines[0] and lines[2].startswith("Doc 3(Title: ")
+    assert await search({"query": "Ardbridan", "topk": 1}, context) == (
+        "Doc 1(Title: Ardbridan) Ardbridan is a city on the river Karath, founded in 1394 by Galphadra."
     )
     assert await search({"query": "zzzqqq"}, context) == "No results."
     # The address may be given with or without /retrieve.
     with_path = ToolContext({"retriever_url": f"{url}/retrieve/"})
-    assert await search({"query": "Kaloter"}, with_path) == await search({"query": "Kaloter"}, context)
+    assert await search({"query": "Ardbridan"}, with_path) == await search({"query": "Ardbridan"}, context)
     # Batched, through the client: the server's hits and scores, in order.
-    found = await retrieve(url, ["Kaloter", "Venlopha", "zzz"], topk=2)
-    expected = index.search(["Kaloter", "Venlopha", "zzz"], topk=2)
+    found = await retrieve(url, ["Ardbridan", "Ardfenpol", "zzz"], topk=2)
+    expected = index.search(["Ardbridan", "Ardfenpol", "zzz"], topk=2)
     assert [[(d["id"], d["contents"]) for d in hits] for hits in found] == [
         [(doc["id"], doc["contents"]) for doc, _ in hits] for hits in expected
     ]
@@ -364,15 +368,15 @@ def test_cli_serves_the_corpus_and_stops_cleanly(tmp_path: Path) -> None:
             except httpx.HTTPError:
                 assert time.monotonic() < deadline, "the CLI server did not answer within 30 s"
                 time.sleep(0.05)
-        assert health == {"status": "ok", "documents": 500, "default_topk": 2, "max_topk": 100}
-        body = post(url, json={"queries": ["Which explorer first described Kaloter?"]}).json()
-        assert len(body["result"][0]) == 2 and title(body["result"][0][0]) == "Kaloter"
+        assert health == {"status": "ok", "documents": 20_000, "default_topk": 2, "max_topk": 100}
+        body = post(url, json={"queries": ["Who founded Ardbridan?"]}).json()
+        assert len(body["result"][0]) == 2 and title(body["result"][0][0]) == "Ardbridan"
     finally:
         process.send_signal(signal.SIGTERM)
         returncode = process.wait(timeout=30)
     output = log.read_text()
     assert returncode == -signal.SIGTERM, output
-    assert f"Serving 500 documents from {CORPUS} (indexed in " in output and "; default topk 2" in output, (
+    assert f"Serving 20000 documents from {CORPUS} (indexed in " in output and "; default topk 2" in output, (
         output
     )
     assert "POST /retrieve" not in output, "no access log"
@@ -460,14 +464,14 @@ def test_slow_headers_are_closed(guarded_port: int) -> None:
 
 def test_cli_caps_are_flags(guarded_port: int) -> None:
     url = f"http://127.0.0.1:{guarded_port}"
-    assert post(url, json={"queries": ["Kaloter"] * 8, "topk": 2}).status_code == 200
-    too_many = post(url, json={"queries": ["Kaloter"] * 9})
+    assert post(url, json={"queries": ["Ardbridan"] * 8, "topk": 2}).status_code == 200
+    too_many = post(url, json={"queries": ["Ardbridan"] * 9})
     assert too_many.status_code == 422
     assert too_many.json()["detail"] == [
         {"loc": ["body", "queries"], "msg": "9 queries; at most 8 per request, split the batch",
          "type": "too_many_queries"}
     ]  # fmt: skip
-    too_long = post(url, json={"queries": ["Kaloter", "k" * 65]})
+    too_long = post(url, json={"queries": ["Ardbridan", "k" * 65]})
     assert too_long.status_code == 422
     assert too_long.json()["detail"] == [
         {
@@ -485,7 +489,7 @@ def test_cli_help_shows_the_real_defaults() -> None:
 def test_a_maximal_request_is_answered(url: str, index: BM25Index) -> None:
     """At every default cap at once: 4,096 queries of 512 characters, 16,384 hits (measured: about
     0.9 s of CPU on the shipped corpus; the old caps allowed ten times that)."""
-    (hits,) = index.search(["markets"], topk=100)  # the titles: words every one of which matches
+    (hits,) = index.search(["city"], topk=100)  # the titles: words every one of which matches
     words = " ".join(title(doc) for doc, _ in hits)
     query = (words * (CAPS.max_query_chars // len(words) + 1))[: CAPS.max_query_chars]
     body = {"queries": [query] * CAPS.max_queries, "topk": CAPS.max_hits // CAPS.max_queries}
@@ -517,19 +521,19 @@ def test_searches_run_off_the_event_loop_and_a_full_queue_is_503() -> None:
         async def scenario() -> tuple[list[httpx.Response], httpx.Response, int]:
             async with httpx.AsyncClient(timeout=60) as client:
                 first = asyncio.ensure_future(
-                    client.post(f"{server.url}/retrieve", json={"query": "Kaloter"})
+                    client.post(f"{server.url}/retrieve", json={"query": "Ardbridan"})
                 )
                 assert await asyncio.to_thread(index.entered.acquire, timeout=30), "no search started"
                 # The only search thread is busy, yet the event loop answers.
                 health = (await client.get(f"{server.url}/health")).status_code
                 second = asyncio.ensure_future(
-                    client.post(f"{server.url}/retrieve", json={"query": "Venlopha"})
+                    client.post(f"{server.url}/retrieve", json={"query": "Ardfenpol"})
                 )
                 for _ in range(500):  # bounded: until the second request waits for the thread
                     if gate.waiting == 1:
                         break
                     await asyncio.sleep(0.02)
-                third = await client.post(f"{server.url}/retrieve", json={"query": "Saorka"})
+                third = await client.post(f"{server.url}/retrieve", json={"query": "Karath"})
                 index.release.set()
                 return list(await asyncio.gather(first, second)), third, health
 

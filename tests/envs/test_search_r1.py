@@ -35,6 +35,8 @@ sys.path.insert(0, str(FIXTURES))
 from make_fixtures import make_prefix  # noqa: E402 (the fixture script's own copy of Search-R1's text)
 
 KALOTER = Task("k", "Which explorer first described Kaloter", ("Orlo",))
+ARDBRIDAN = Task("a", "Who founded Ardbridan", ("Galphadra",))
+"""A city of the shipped Search world (envs/search_world.py) and its founder."""
 
 
 def test_prompt_is_search_r1s_make_prefix_character_for_character() -> None:
@@ -97,15 +99,13 @@ def test_an_episode_searches_reads_information_and_answers() -> None:
     with local_retriever() as url:
         env = gymnasium.make("pacerl/SearchR1-v0", retriever_url=url).unwrapped
         assert isinstance(env, SearchR1Env)
-        observation, info = env.reset(options={"task": KALOTER})
-        assert observation == (
-            {"role": "user", "content": make_prefix("Which explorer first described Kaloter?")},
-        )
+        observation, info = env.reset(options={"task": ARDBRIDAN})
+        assert observation == ({"role": "user", "content": make_prefix("Who founded Ardbridan?")},)
         assert env.tool_schemas() == [] and info["tools"] == ["search"]
         observation, reward, terminated, truncated, info = env.step(
-            "<think> I need to search. </think>\n<search> Kaloter </search>"
+            "<think> I need to search. </think>\n<search> Ardbridan </search>"
         )
-        (hits,) = _shipped_index().search(["Kaloter"], 3)
+        (hits,) = _shipped_index().search(["Ardbridan"], 3)
         passages = "".join(
             f"Doc {i}(Title: {doc['contents'].split(chr(10))[0]}) {doc['contents'].split(chr(10), 1)[1]}\n"
             for i, (doc, _) in enumerate(hits, start=1)
@@ -117,8 +117,8 @@ def test_an_episode_searches_reads_information_and_answers() -> None:
                 "content": f"\n\n<information>{passages.strip()}</information>\n\n",
             },
         )
-        assert observation[0]["content"].startswith('\n\n<information>Doc 1(Title: "Kaloter") Kaloter is')
-        assert "Orlo" in observation[0]["content"] and passages.count("Doc ") == len(hits) >= 1
+        assert observation[0]["content"].startswith('\n\n<information>Doc 1(Title: "Ardbridan") Ardbridan is')
+        assert "Galphadra" in observation[0]["content"] and passages.count("Doc ") == len(hits) >= 1
         assert (reward, terminated, truncated, info["tool_calls"], info["error"]) == (
             0.0,
             False,
@@ -127,7 +127,7 @@ def test_an_episode_searches_reads_information_and_answers() -> None:
             False,
         )
         observation, reward, terminated, truncated, info = env.step(
-            "<think> found </think>\n<answer> Orlo </answer>"
+            "<think> found </think>\n<answer> Galphadra </answer>"
         )
         assert (observation, reward, terminated, truncated) == ((), 1.0, True, False)
         env.close()
