@@ -22,6 +22,7 @@ from agents.evaluation import EvalConfig
 from agents.models import TinyMoEConfig
 from agents.rollout import RolloutConfig
 from envs.registry import env_class
+from pacerl.lab.presets import PRESETS
 from pacerl.settings import ConfigError as ConfigError
 from pacerl.settings import apply_overrides, config_to_dict, read_settings, settings_into
 from trainer.learner import LearnerConfig
@@ -196,6 +197,42 @@ class RaySpec:
             raise ValueError("ray.broadcast_backend=nccl needs ray.engine_gpus and ray.trainer_gpus > 0")
 
 
+@dataclass(frozen=True)
+class EmulationSpec:
+    """Emulated-cluster training (`pacerl.lab.emulated`, docs/simulation.md): the real model, env and
+    learner under the clock of `pacerl simulate`, which decides when rollouts start, which version is
+    live for each generated token, when steps end and how long groups wait, as on the preset's GPUs."""
+
+    clock: Literal["real", "emulated"] = "real"
+    """real: this machine's time decides (the plain loops); emulated: the simulator's clock does."""
+    preset: str = "areal"
+    """The cost models and cluster of the clock: a `pacerl simulate --preset` name (areal, verl,
+    pacerl-cpu)."""
+    inference_gpus: int | None = None
+    """GPUs running inference engines on the emulated cluster; None: the preset's. >= 1."""
+    trainer_gpus: int | None = None
+    """GPUs training on the emulated cluster; None: the preset's. >= 1."""
+    token_scale: int = 1
+    """Simulated tokens each real token costs in the decode, prefill, KV and training models (a tiny
+    model's short turns stretched to a preset's lengths; the records keep the real tokens). >= 1."""
+
+    def __post_init__(self) -> None:
+        if self.clock not in ("real", "emulated"):
+            raise ValueError(f"emulation.clock must be real or emulated, got {self.clock!r}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"emulation.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        for name in ("inference_gpus", "trainer_gpus"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"emulation.{name} must be an integer >= 1 or None, got {value!r}")
+        if (
+            isinstance(self.token_scale, bool)
+            or not isinstance(self.token_scale, int)
+            or self.token_scale < 1
+        ):
+            raise ValueError(f"emulation.token_scale must be an integer >= 1, got {self.token_scale!r}")
+
+
 def _default_rollout() -> RolloutConfig:
     # docs/learnability.md: T = 0.7, short turns; tool schemas are learned by SFT, not read from the prompt.
     sampling = SamplingParams(max_new_tokens=40, temperature=0.7, stop_strings=("</tool_call>",))
@@ -251,6 +288,8 @@ class RunConfig:
     """Where the parts run: all in this process, or as Ray actors (see `ray`); the same code either way."""
     ray: RaySpec = field(default_factory=RaySpec)
     """The Ray cluster and the actors of `runtime = "ray"`."""
+    emulation: EmulationSpec = field(default_factory=EmulationSpec)
+    """Train under the clock of a simulated GPU cluster (`emulation.clock = "emulated"`)."""
 
     def __post_init__(self) -> None:
         if self.engine_backend not in ("embedded", "sglang", "openai"):
@@ -285,6 +324,20 @@ class RunConfig:
                 )
             if self.ray.weight_sync == "broadcast":
                 raise ValueError("ray.weight_sync=broadcast is for embedded engines; SGLang loads from disk")
+        if self.emulation.clock == "emulated":
+            refused = {
+                "runtime=ray": self.runtime == "ray",
+                f"engine_backend={self.engine_backend}": self.engine_backend != "embedded",
+                "engine.interrupt=continue": self.engine.interrupt == "continue",
+            }
+            bad = [name for name, hit in refused.items() if hit]
+            if bad:
+                raise ValueError(
+                    f"emulation.clock=emulated cannot run with {', '.join(bad)}: the emulated clock drives "
+                    "the embedded engine in this process and regenerates an interrupted turn's rest under "
+                    "the new weights (reprefill); use runtime=local, engine_backend=embedded, "
+                    "engine.interrupt=reprefill"
+                )
         sampled = self.rollout.sampling.temperature
         if sampled <= 0:
             raise ValueError("rollout.sampling.temperature must be > 0 (RL learns from sampled log-probs)")

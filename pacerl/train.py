@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from pacerl.assembly import (
 )
 from pacerl.config import ConfigError, RunConfig, load_config, save_config
 from pacerl.display import StepDisplay
+from pacerl.lab.emulated import clock_config, train_emulated
 from pacerl.plots import plot_run
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.loop import Run, train_async, train_sync
@@ -53,6 +55,12 @@ async def train(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
             "config: engine_backend=openai serves evaluation only (`pacerl eval`): a chat-completions server "
             "returns text, not the token ids and log-probs training needs; train with embedded or sglang"
         )
+    if config.emulation.clock == "emulated":
+        if resume:
+            raise ConfigError(
+                "--resume: an emulated run saves no state of its clock, so it cannot be resumed"
+            )
+        _emulated_loop(config)  # what the clock cannot run fails here, before anything is written
     try:
         cls = env_class(config.env.id)
         config.sft.resolved(config.env.id)
@@ -100,7 +108,11 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
     run = build_run(config, run_dir, model, tokenizer, make_env, tasks)
     if checkpoint is not None:
         await run.restore(checkpoint)
-    loop = train_sync if config.loop.mode == "sync" else train_async
+    loop: Callable[[Run], Coroutine[Any, Any, dict[str, Any]]] = (
+        train_sync if config.loop.mode == "sync" else train_async
+    )
+    if config.emulation.clock == "emulated":
+        loop = _emulated_loop(config)
     evaluator = None
     if config.evaluation.every or config.evaluation.at_start or config.evaluation.at_end:
         evaluator = background_evaluator(config, model, tokenizer, run.learner.version, make_env)
@@ -130,6 +142,30 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
     summary["seconds"] = time.monotonic() - started
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1, default=str) + "\n")
     return summary
+
+
+def _emulated_loop(config: RunConfig) -> Callable[[Run], Coroutine[Any, Any, dict[str, Any]]]:
+    """The loop of `emulation.clock = "emulated"`: `config.loop`'s mode under the clock of
+    `config.emulation` (`pacerl.lab.emulated`); ConfigError for a clock that cannot run."""
+    spec, loop = config.emulation, config.loop
+    try:
+        clock = clock_config(
+            spec.preset,
+            inference_gpus=spec.inference_gpus,
+            trainer_gpus=spec.trainer_gpus,
+            token_scale=spec.token_scale,
+            mode=loop.mode,
+            steps=loop.steps,
+            batch_groups=loop.batch_groups,
+            sync_interval=loop.sync_interval,
+            group_size=config.rollout.group_size,
+            max_total_tokens=config.rollout.max_total_tokens,
+            filter_config=config.filter,
+            seed=config.seed,
+        )
+    except ValueError as error:
+        raise ConfigError(f"config: emulation: {error}") from None
+    return functools.partial(train_emulated, config=clock, mode=loop.mode, token_scale=spec.token_scale)
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ import json
 import queue
 import time
 from collections.abc import Awaitable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -67,55 +67,44 @@ from pacerl.lab.state import EngineState, Episode, Group
 from pacerl.settings import config_to_dict
 from trainer.learner import StepResult
 from trainer.loop import Run
-from trainer.pool import StalenessSummary, TrajectoryPool, staleness_summary
+from trainer.pool import FilterConfig, StalenessSummary, TrajectoryPool, staleness_summary
 
 _T = TypeVar("_T")
 
 
-@dataclass(frozen=True)
-class ClockSettings:
-    """What the emulated clock needs of a run's config (`pacerl.config.EmulationSpec` and the loop)."""
-
-    preset: str
-    """A `pacerl.lab.presets.PRESETS` name: the cost models and the cluster."""
-    inference_gpus: int | None
-    """GPUs running engines; None: the preset's."""
-    trainer_gpus: int | None
-    """GPUs training; None: the preset's."""
-    token_scale: int
-    """Simulated tokens per real token in the cost models. >= 1."""
-
-
 def clock_config(
-    settings: ClockSettings,
+    preset: str,
     *,
+    inference_gpus: int | None,
+    trainer_gpus: int | None,
+    token_scale: int,
     mode: Mode,
     steps: int,
     batch_groups: int,
     sync_interval: int,
     group_size: int,
     max_total_tokens: int,
-    filter_config: Any,
+    filter_config: FilterConfig,
     seed: int,
 ) -> SimConfig:
-    """The `SimConfig` of an emulated run: the preset's cost models and cluster (GPU counts overridden),
-    the run's loop, filter, group size and seed, records of real tokens (`token_block` 1). The sync arm
-    publishes after every update, as `train_sync` does. ValueError for what cannot work."""
-    if settings.preset not in PRESETS:
-        raise ValueError(f"emulation.preset must be one of {', '.join(PRESETS)}, got {settings.preset!r}")
-    base = PRESETS[settings.preset]().config
+    """The `SimConfig` of an emulated run: the cost models and cluster of `preset` (GPU counts overridden
+    unless None), the run's loop, filter, group size and seed, records of real tokens (`token_block` 1).
+    The sync arm publishes after every update, as `train_sync` does. ValueError for what cannot work."""
+    if preset not in PRESETS:
+        raise ValueError(f"emulation.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    base = PRESETS[preset]().config
     if base.interrupt != "reprefill":
         raise ValueError(f"emulation needs a preset whose interrupt is reprefill, not {base.interrupt!r}")
-    context = max_total_tokens * settings.token_scale
+    context = max_total_tokens * token_scale
     if context > base.inference.kv_capacity_tokens:
         raise ValueError(
             f"rollout.max_total_tokens × emulation.token_scale ({context}) exceeds the KV capacity of one "
-            f"{settings.preset} engine ({base.inference.kv_capacity_tokens} tokens)"
+            f"{preset} engine ({base.inference.kv_capacity_tokens} tokens)"
         )
     return replace(
         base,
-        inference_gpus=settings.inference_gpus or base.inference_gpus,
-        trainer_gpus=settings.trainer_gpus or base.trainer_gpus,
+        inference_gpus=inference_gpus or base.inference_gpus,
+        trainer_gpus=trainer_gpus or base.trainer_gpus,
         steps=steps,
         sync_steps=steps,
         batch_groups=batch_groups,

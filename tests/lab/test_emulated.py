@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,14 +21,16 @@ from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.models import load_model
 from agents.rollout import RolloutDriver, append_generation
 from agents.trajectory import Status, Trajectory
-from pacerl.assembly import env_factory, training_tasks
-from pacerl.config import config_from_dict
+from pacerl.assembly import env_factory, num_experts, training_tasks
+from pacerl.config import ConfigError, config_from_dict
 from pacerl.lab.config import SimConfig
 from pacerl.lab.costs import Distribution, InferenceConfig, WorkloadConfig
-from pacerl.lab.emulated import ClockSettings, EmulatedClock, Turn, clock_config, train_emulated
+from pacerl.lab.emulated import EmulatedClock, Turn, clock_config, train_emulated
 from pacerl.lab.engine import simulate_mode
 from pacerl.lab.presets import PRESETS
+from pacerl.lab.results import Mode
 from pacerl.lab.state import Group
+from pacerl.train import train
 from tests.helpers import small_run
 from trainer.learner import Learner, StepResult
 from trainer.loop import Run, train_sync
@@ -160,7 +163,7 @@ def test_the_simulators_plan_through_the_emulated_clock_is_pacerl_simulate(
     # the simulator's records start a segment where the KV cache retracted a turn, the emulated ones
     # (the driver's) one per run of a version, as an engine reports a turn (a retraction is invisible to
     # the caller); the tokens and their versions are the same.
-    mode = "sync" if "sync" in name else "async"
+    mode: Mode = "sync" if "sync" in name else "async"
     reference = simulate_mode(config, mode)
     workload = PlannedWorkload()
     emulated = EmulatedClock(config, mode, workload).run()
@@ -261,10 +264,10 @@ def _sync_run(warm_model: tuple[Path, Path], run_dir: Path) -> tuple[Run, Any]:
     twin, _ = load_model(warm_model[0])
     engine = SeededEngine(EmbeddedEngine(twin, tokenizer, EmbeddedEngineConfig(max_batch=1)))
     learner = Learner(model, config.learner, pad_id=int(tokenizer.pad_token_id or 0))
-    driver = RolloutDriver(engine, tokenizer, make_env, config.rollout, num_experts=16)
+    driver = RolloutDriver(engine, tokenizer, make_env, config.rollout, num_experts=num_experts(model))
     run = Run(
         learner=learner,
-        engine=engine,  # type: ignore[arg-type]
+        engine=engine,
         driver=driver,
         tasks=training_tasks(make_env),
         pool=TrajectoryPool(config.filter),
@@ -275,8 +278,6 @@ def _sync_run(warm_model: tuple[Path, Path], run_dir: Path) -> tuple[Run, Any]:
 
 
 def _batches(run_dir: Path) -> list[list[str]]:
-    import json
-
     return [json.loads(line)["ids"] for line in (run_dir / "batches.jsonl").read_text().splitlines()]
 
 
@@ -287,7 +288,10 @@ def test_the_emulated_sync_arm_trains_on_exactly_what_train_sync_trains_on(
     plain, config = _sync_run(warm_model, tmp_path / "plain")
     emulated, _ = _sync_run(warm_model, tmp_path / "emulated")
     clock = clock_config(
-        ClockSettings("areal", inference_gpus=96, trainer_gpus=32, token_scale=1),
+        "areal",
+        inference_gpus=96,
+        trainer_gpus=32,
+        token_scale=1,
         mode="sync",
         steps=config.loop.steps,
         batch_groups=config.loop.batch_groups,
@@ -329,3 +333,75 @@ def test_the_emulated_sync_arm_trains_on_exactly_what_train_sync_trains_on(
 
 
 # -- (3) bad configs ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_an_emulated_async_run_trains_on_turns_the_clock_cut_between_versions(
+    warm_model: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # pacerl-cpu's engine with every real token costing 20: a turn of the tiny model decodes for about as
+    # long as a training step takes, so publications land inside turns and the real engine regenerates
+    # their rest under the new weights.
+    run_dir = tmp_path / "run"
+    config = config_from_dict(
+        small_run(
+            warm_model,
+            run_dir,
+            rollout={"group_size": 4},
+            loop={"mode": "async", "steps": 5, "batch_groups": 2},
+            filter={"name": "none", "max_concurrent_groups": 4},
+            emulation={"clock": "emulated", "preset": "pacerl-cpu", "token_scale": 20},
+        )
+    )
+    summary = asyncio.run(train(config))
+    figures = summary["emulation"]
+    assert summary["step"] == figures["steps"] == 5
+    assert figures["interruptions"] > 0 and sum(figures["gs_hist"][1:]) > 0  # tokens of older versions
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    times = [row["sim/time_s"] for row in rows]
+    assert len(rows) == 5 and times == sorted(times) and times[-1] == pytest.approx(figures["simulated_s"])
+    assert max(row["staleness/mean_gs"] for row in rows) > 0
+    saved = json.loads((run_dir / "emulation.json").read_text())
+    assert saved["clock"]["inference_gpus"] == 1 and saved["token_scale"] == 20
+    assert saved["clock"]["steps"] == 5 and saved["clock"]["filter"]["name"] == "none"
+    assert len(_batches(run_dir)) == 5
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"runtime": "ray"}, "runtime=ray"),
+        ({"engine": {"interrupt": "continue"}}, "engine.interrupt=continue"),
+        ({"emulation": {"clock": "emulated", "preset": "h100"}}, "emulation.preset must be one of"),
+        ({"emulation": {"clock": "emulated", "token_scale": 0}}, "token_scale must be an integer >= 1"),
+        ({"emulation": {"clock": "emulated", "inference_gpus": 0}}, "inference_gpus must be an integer >= 1"),
+        ({"emulation": {"clock": "fast"}}, "emulation.clock: .*real.*emulated"),
+    ],
+)
+def test_configs_the_emulated_clock_cannot_run_are_refused_at_load(
+    changes: dict[str, Any], message: str
+) -> None:
+    data: dict[str, Any] = {"emulation": {"clock": "emulated"}}
+    for key, value in changes.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(data)
+
+
+def test_sglang_is_refused_under_the_emulated_clock(tmp_path: Path) -> None:
+    data = {"model": {"path": str(tmp_path)}, "engine_backend": "sglang", "emulation": {"clock": "emulated"}}
+    with pytest.raises(ConfigError, match="engine_backend=sglang"):
+        config_from_dict(data)
+    config_from_dict({**data, "emulation": {"clock": "real"}})  # the real clock runs it
+
+
+def test_train_refuses_a_resume_and_a_clock_that_cannot_hold_a_context_before_writing(tmp_path: Path) -> None:
+    emulated = {"clock": "emulated", "preset": "pacerl-cpu"}
+    config = config_from_dict({"run_dir": str(tmp_path / "a"), "emulation": emulated})
+    with pytest.raises(ConfigError, match="cannot be resumed"):
+        asyncio.run(train(config, resume=True))
+    # pacerl-cpu's engine caches 65,536 tokens; 256-token episodes at 512 simulated tokens each do not fit
+    config = config_from_dict({"run_dir": str(tmp_path / "b"), "emulation": {**emulated, "token_scale": 512}})
+    with pytest.raises(ConfigError, match="exceeds the KV capacity"):
+        asyncio.run(train(config))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
