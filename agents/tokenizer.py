@@ -178,7 +178,7 @@ def default_corpus(seed: int = 0, per_env: int = 600) -> list[str]:
         texts.append(_render(renderer, _math_episode(task.question, task.answer), None))
     documents = _search_documents()
     for task in load_tasks("search-train")[:per_env]:
-        episode = _search_episode(task.question, task.answer, documents, rng)
+        episode = _search_episode(task, documents, rng)
         texts.append(_render(renderer, episode, [search_schema]))
     return texts
 
@@ -230,23 +230,29 @@ def _math_episode(question: str, answer: str) -> list[Message]:
     ]
 
 
-def _search_documents() -> list[str]:
-    return [str(row["contents"]) for _, row in read_jsonl(DATA_DIR / "search-corpus.jsonl")]
+def _search_documents() -> dict[str, str]:
+    """The shipped corpus's passages by title."""
+    rows = (str(row["contents"]) for _, row in read_jsonl(DATA_DIR / "search-corpus.jsonl"))
+    return {contents.partition("\n")[0].strip('"'): contents for contents in rows}
 
 
-_SUBJECT_RE = re.compile(r"was (\w+) first recorded|described (\w+)\?")
-
-
-def _search_episode(question: str, answer: str, documents: list[str], rng: random.Random) -> list[Message]:
-    match = _SUBJECT_RE.search(question)
-    subject = next(group for group in match.groups() if group) if match else question
-    relevant = [doc for doc in documents if doc.startswith(f'"{subject}"')]
-    hits = relevant + rng.sample(documents, 2)
-    call = {"name": "search", "arguments": {"query": subject}}
-    return [
+def _search_episode(task: Task, documents: dict[str, str], rng: random.Random) -> list[Message]:
+    """One search per hop for the entity the task's metadata names (`envs.search_world`), as the
+    env's demonstrations call it, its passage first and two others after it (more text to learn merges
+    from), then the answer."""
+    messages: list[Message] = [
         {"role": "system", "content": search_env.SYSTEM_PROMPT},
-        {"role": "user", "content": question},
-        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
-        {"role": "tool", "content": format_documents([{"contents": doc} for doc in hits])},
-        {"role": "assistant", "content": f"<answer> {answer} </answer>"},
+        {"role": "user", "content": task.question},
     ]
+    others = list(documents.values())
+    for query in task.metadata.get("queries") or [task.question]:
+        hits = [documents[query]] if query in documents else []
+        call = {"name": "search", "arguments": {"query": query, "topk": search_env.DEMONSTRATION_TOPK}}
+        messages += [
+            {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+            {
+                "role": "tool",
+                "content": format_documents([{"contents": doc} for doc in hits + rng.sample(others, 2)]),
+            },
+        ]
+    return [*messages, {"role": "assistant", "content": f"<answer> {task.answer} </answer>"}]
