@@ -11,8 +11,9 @@
 - `sat.png`: SAT gate rate with the clip fraction, SAT's mean contraction, the log-prob mismatch (all
   tokens, current-version tokens) and the routing disagreement; steps that skipped the update are marked.
 
-The x axis is the step, with the elapsed seconds on a second scale above. A panel whose keys no row
-records says so instead of failing, so runs from older versions (or the sync loop) still plot. Drawn on
+The x axis is the step, with the elapsed seconds on a second scale above (an emulated run's simulated
+seconds, `sim/time_s`). A panel whose keys no row records says so instead of failing, so runs from older
+versions (or the sync loop) still plot. Drawn on
 matplotlib's Agg canvas without pyplot: no display, no global backend switch, safe inside a training
 process.
 """
@@ -331,19 +332,27 @@ def _edges(steps: npt.NDArray[np.int64]) -> Floats:
     return np.concatenate([[centres[0] - (middle[0] - centres[0])], middle, [2 * centres[-1] - middle[-1]]])
 
 
-def _elapsed(metrics: RunMetrics) -> Floats | None:
-    """Seconds per step for the second scale: the loop's `elapsed_s` when it rises throughout, else the
-    row times since the first step (a resumed run restarts `elapsed_s`); None when neither rises."""
-    for seconds in (metrics.column("elapsed_s"), metrics.column("time") - metrics.column("time")[0]):
+def _elapsed(metrics: RunMetrics) -> tuple[Floats, str] | None:
+    """Seconds per step for the second scale, and its label: an emulated run's simulated seconds
+    (`sim/time_s`, the clock of `pacerl.lab.emulated`), else the loop's `elapsed_s` when it rises
+    throughout, else the row times since the first step (a resumed run restarts `elapsed_s`); None when
+    none rises."""
+    candidates = (
+        (metrics.column("sim/time_s"), "simulated s (emulated cluster)"),
+        (metrics.column("elapsed_s"), "elapsed s"),
+        (metrics.column("time") - metrics.column("time")[0], "elapsed s"),
+    )
+    for seconds, label in candidates:
         if seconds.size >= 2 and bool(np.all(np.diff(seconds) > 0)):
-            return seconds
+            return seconds, label
     return None
 
 
 def _add_elapsed_scale(ax: Axes, metrics: RunMetrics) -> None:
-    seconds = _elapsed(metrics)
-    if seconds is None:
+    found = _elapsed(metrics)
+    if found is None:
         return
+    seconds, label = found
     steps = metrics.steps.astype(np.float64)
 
     def to_seconds(x: ArrayLike) -> ArrayLike:
@@ -352,7 +361,7 @@ def _add_elapsed_scale(ax: Axes, metrics: RunMetrics) -> None:
     def to_steps(s: ArrayLike) -> ArrayLike:
         return _interp(s, seconds, steps)
 
-    ax.secondary_xaxis("top", functions=(to_seconds, to_steps)).set_xlabel("elapsed s")
+    ax.secondary_xaxis("top", functions=(to_seconds, to_steps)).set_xlabel(label)
 
 
 def _interp(x: ArrayLike, xp: Floats, fp: Floats) -> Floats:

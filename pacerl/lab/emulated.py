@@ -204,6 +204,9 @@ class Workload(Protocol):
     """The side of an emulated run that is not the clock: the episodes, their generations and the
     learner (`RealWorkload`; a test stand-in replays the simulator's own plan)."""
 
+    drop_failed_groups: bool
+    """A group with a failed member is dropped (`RolloutConfig.on_failure`), not pooled."""
+
     def launch(self, group: Group) -> list[Action]:
         """Start the episodes of a planned group; each member's first action, by member index."""
         ...
@@ -289,9 +292,8 @@ class EmulatedClock(_Simulation):
             turn.turn_base = episode.done
         self.side.generate([self.playing[e.uid] for e in fresh], engine.version)
         for episode in fresh:
-            turn = self.playing[episode.uid]
-            turn.turn_base = episode.done
-            episode.responses[episode.turn] = episode.done + self.scale * turn.held_length
+            held = self.playing[episode.uid].held_length
+            episode.responses[episode.turn] = episode.done + self.scale * held
         for episode in opened:
             episode.remaining = episode.responses[episode.turn] - episode.done
 
@@ -325,7 +327,7 @@ class EmulatedClock(_Simulation):
 
     def group_done(self, group: Group, version: int) -> None:
         records = [self.finished_records[e.uid] for e in group.members]
-        if any(r.status is Status.FAILED for r in records) and self._drops_failed():
+        if any(r.status is Status.FAILED for r in records) and self.side.drop_failed_groups:
             for episode in group.members:
                 del self.finished_records[episode.uid]
             del self.running_groups[group.id]
@@ -335,9 +337,6 @@ class EmulatedClock(_Simulation):
             self.try_train()
             return
         super().group_done(group, version)
-
-    def _drops_failed(self) -> bool:
-        return bool(getattr(self.side, "drop_failed_groups", True))
 
     def make_records(self, group: Group, version: int) -> list[Trajectory]:
         records = [self.finished_records.pop(e.uid) for e in group.members]

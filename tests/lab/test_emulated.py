@@ -21,6 +21,7 @@ from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.models import load_model
 from agents.rollout import RolloutDriver, append_generation
 from agents.trajectory import Status, Trajectory
+from pacerl import plots
 from pacerl.assembly import env_factory, num_experts, training_tasks
 from pacerl.config import ConfigError, config_from_dict
 from pacerl.lab.config import SimConfig
@@ -405,3 +406,16 @@ def test_train_refuses_a_resume_and_a_clock_that_cannot_hold_a_context_before_wr
     with pytest.raises(ConfigError, match="exceeds the KV capacity"):
         asyncio.run(train(config))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_plots_second_scale_is_the_simulated_clock_when_a_run_has_one(tmp_path: Path) -> None:
+    rows = [{"step": step, "elapsed_s": 9.0 * step, "sim/time_s": 2.5 * step} for step in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    found = plots._elapsed(plots.load_run_metrics(tmp_path))
+    assert found is not None and found[1] == "simulated s (emulated cluster)"
+    assert found[0].tolist() == [2.5, 5.0, 7.5]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({**row, "sim/time_s": None}) + "\n" for row in rows)
+    )
+    found = plots._elapsed(plots.load_run_metrics(tmp_path))
+    assert found is not None and found[1] == "elapsed s" and found[0].tolist() == [9.0, 18.0, 27.0]
