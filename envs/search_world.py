@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.jsonl import write_jsonl
-from envs.tasks import DATA_DIR, Task
+from envs.tasks import DATA_DIR, Task, load_tasks
 
 SYLLABLES = (
     "ka", "lo", "mir", "ven", "tor", "sa", "quel", "bri", "dan", "or", "pha", "zul", "nim", "ter", "wyn",
@@ -248,6 +248,38 @@ def answerable(world: World, task: Task) -> Sequence[str]:
     return passages
 
 
-if __name__ == "__main__":
+def accuracy_by_hops(tasks: Sequence[Task], per_task: Sequence[Mapping[str, Any]]) -> dict[int, float]:
+    """Hops -> the share of correct episodes, from an evaluation's `per_task` results (`{"task_id",
+    "samples", "correct"}`, as `pacerl eval --out` writes them) on `tasks`."""
+    hops = {task.id: int(task.metadata["hops"]) for task in tasks}
+    correct: dict[int, list[int]] = {}
+    for result in per_task:
+        counts = correct.setdefault(hops[str(result["task_id"])], [0, 0])
+        counts[0] += int(result["correct"])
+        counts[1] += int(result["samples"])
+    return {hop: right / total for hop, (right, total) in sorted(correct.items())}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m envs.search_world` rewrites the shipped files; `--report EVAL.json` prints the
+    single-hop and two-hop accuracy of a `pacerl eval --out` report on the shipped validation set."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m envs.search_world", description=main.__doc__)
+    parser.add_argument("--report", metavar="EVAL.json", help="a pacerl eval report on search-val")
+    args = parser.parse_args(argv)
+    if args.report:
+        report = json.loads(Path(args.report).read_text())
+        by_hops = accuracy_by_hops(load_tasks("search-val"), report["per_task"])
+        print(
+            " ".join(f"{hop}-hop {value:.3f}" for hop, value in by_hops.items()),
+            f"all {report['avg_at_k']:.3f}",
+        )
+        return
     write_shipped()
     print(f"wrote the Search world to {DATA_DIR}")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,7 +17,9 @@ from envs.search_world import (
     SHIPPED,
     SearchWorldSet,
     World,
+    accuracy_by_hops,
     build_world,
+    main,
     questions,
     shipped_world,
     write_shipped,
@@ -172,3 +174,18 @@ def test_a_two_hop_demonstration_searches_the_entity_the_first_passage_names() -
     # A task from elsewhere (no queries in its metadata) searches its whole question once.
     plain = search_turns(Task("x", "Who founded Ardbridan?", ("Galphadra",)))
     assert '"query": "Who founded Ardbridan?"' in plain[0]["content"] and len(plain) == 3
+
+
+def test_accuracy_by_hops_reads_an_eval_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    val = load_tasks("search-val")[:4]  # one-hop, two-hop, one-hop, two-hop
+    per_task = [
+        {"task_id": val[0].id, "samples": 2, "correct": 2},
+        {"task_id": val[1].id, "samples": 2, "correct": 0},
+        {"task_id": val[2].id, "samples": 2, "correct": 1},
+        {"task_id": val[3].id, "samples": 2, "correct": 1},
+    ]
+    assert accuracy_by_hops(val, per_task) == {1: 0.75, 2: 0.25}
+    report = tmp_path / "eval.json"
+    report.write_text(json.dumps({"per_task": per_task, "avg_at_k": 0.5}))
+    main(["--report", str(report)])
+    assert capsys.readouterr().out == "1-hop 0.750 2-hop 0.250 all 0.500\n"
