@@ -394,24 +394,27 @@ class EmulatedClock(_Simulation):
         return self._ending[0].updated
 
     def trained(self) -> None:
-        self._ending, self._step = self._step, None  # the next batch may be drawn within `trained`
+        """Record the step that ended (before `trained` may draw and train the next batch), then move
+        the clock on."""
+        self._ending, self._step = self._step, None
         if self._ending is None:
             raise RuntimeError("a training step ended that never started")
         result, staleness, drawn_at = self._ending
-        super().trained()
-        self._ending = None
         gpus = self.config.inference_gpus + self.config.trainer_gpus
+        last = self.stats.step_end[-1] if self.stats.step_end else 0.0
         scalars = {
             "sim/time_s": self.now,
             "sim/gpu_hours": gpus * self.now / 3600.0,
-            "sim/step_s": self.now - (self.stats.step_end[-2] if len(self.stats.step_end) > 1 else 0.0),
+            "sim/step_s": self.now - last,
             "sim/train_s": self.now - drawn_at,
             "sim/pool_groups": float(len(self.pool)),
             "in_flight_groups": float(len(self.running_groups)),
             "sim/interruptions": float(self.stats.interruptions),
         }
         if not self.side.step_ended(result, staleness, scalars):
-            self.finished = True
+            self.finished = True  # a stop request, or the run's wall-clock budget
+        super().trained()
+        self._ending = None
 
     def drift(self, trajectories: Sequence[Trajectory]) -> list[float]:
         scores = self.side.prefix_drift(trajectories)

@@ -53,6 +53,7 @@ class PlannedWorkload:
         self.records: dict[str, Trajectory] = {}
         self.turn: dict[str, int] = {}
         self.published: list[int] = []
+        self.calls: list[str] = []
 
     def launch(self, group: Group) -> list[Turn | Trajectory]:
         turns: list[Turn | Trajectory] = []
@@ -100,9 +101,11 @@ class PlannedWorkload:
 
     def train(self, groups: list[list[Trajectory]], version: int) -> StepResult:
         ids = tuple(t.id for group in groups for t in group)
+        self.calls.append("train")
         return StepResult(updated=True, skipped="", metrics={}, trajectory_ids=ids)
 
     def step_ended(self, result: StepResult, staleness: StalenessSummary, scalars: dict[str, float]) -> bool:
+        self.calls.append("ended")
         return True
 
     def prefix_drift(self, trajectories: Sequence[Trajectory]) -> list[float] | None:
@@ -174,6 +177,8 @@ def test_the_simulators_plan_through_the_emulated_clock_is_pacerl_simulate(
     )
     assert reference.steps == config.steps if mode == "async" else config.baseline_steps
     assert sum(reference.staleness.gs_hist) > 0
+    steps = reference.steps
+    assert workload.calls == ["train", "ended"] * steps  # a step is recorded before the next one trains
     if mode == "async":  # the runs are not trivial: publications cut turns, and the filters worked
         assert reference.interruptions > 0 and sum(reference.staleness.gs_hist[1:]) > 0
         assert workload.published == list(range(config.sync_interval, config.steps, config.sync_interval))
