@@ -223,6 +223,10 @@ class Workload(Protocol):
         """Make `version` the weights of generations from now on."""
         ...
 
+    def dropped(self, group_id: str) -> None:
+        """A finished group was dropped for a failed member (`drop_failed_groups`)."""
+        ...
+
     def train(self, groups: list[list[Trajectory]], version: int) -> StepResult:
         """One update on a drawn batch at trainer version `version`."""
         ...
@@ -264,7 +268,6 @@ class EmulatedClock(_Simulation):
         self.playing: dict[int, Turn] = {}
         """Episode uid → the turn it is playing or waiting to play."""
         self.finished_records: dict[int, Trajectory] = {}
-        self.dropped_groups = 0
         self._step: tuple[StepResult, StalenessSummary, float] | None = None
         """The step being trained: its result, the batch's staleness and when it was drawn."""
         self._ending: tuple[StepResult, StalenessSummary, float] | None = None
@@ -332,7 +335,7 @@ class EmulatedClock(_Simulation):
                 del self.finished_records[episode.uid]
             del self.running_groups[group.id]
             group.members = []
-            self.dropped_groups += 1
+            self.side.dropped(group.id)
             self.try_launch()
             self.try_train()
             return
@@ -579,6 +582,9 @@ class RealWorkload:
         self.bridge.call(self.engine.update_weights(weights, version))
         self.live = version
 
+    def dropped(self, group_id: str) -> None:
+        self.run.dropped_groups.append(group_id)
+
     def train(self, groups: list[list[Trajectory]], version: int) -> StepResult:
         learner = self.run.learner
         if learner.version != version:
@@ -633,7 +639,7 @@ async def train_emulated(run: Run, config: SimConfig, mode: Mode, *, token_scale
         await workload.aclose()
         await run.aclose()
     summary = run.summary()
-    summary["dropped_groups"] += clock.dropped_groups
+    summary["driver"] = dict(workload.driver.counts)
     summary["emulation"] = emulation_summary(result, config, token_scale, time.monotonic() - started)
     write_emulation(run.run_dir, config, token_scale, summary["emulation"])
     return summary

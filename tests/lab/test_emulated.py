@@ -99,6 +99,9 @@ class PlannedWorkload:
     def publish(self, version: int) -> None:
         self.published.append(version)
 
+    def dropped(self, group_id: str) -> None:
+        raise AssertionError(f"{group_id}: the plan fails no episode")
+
     def train(self, groups: list[list[Trajectory]], version: int) -> StepResult:
         ids = tuple(t.id for group in groups for t in group)
         self.calls.append("train")
@@ -184,6 +187,48 @@ def test_the_simulators_plan_through_the_emulated_clock_is_pacerl_simulate(
         assert workload.published == list(range(config.sync_interval, config.steps, config.sync_interval))
     if name.startswith("multi-turn pace"):
         assert reference.rejected_groups and reference.retractions > 0
+
+
+class FailingPlannedWorkload(PlannedWorkload):
+    """The plan, but the first member of every third group fails before its first turn (an env that
+    could not start), which drops its group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped_ids: list[str] = []
+
+    def launch(self, group: Group) -> list[Turn | Trajectory]:
+        actions = super().launch(group)
+        if int(group.id[1:]) % 3 == 0:
+            record = self.records[f"{group.id}/0"]
+            record.finish(
+                Status.FAILED, reason="env failed", reward=None, completed_version=0, completed_at=0.0
+            )
+            actions[0] = record
+        return actions
+
+    def dropped(self, group_id: str) -> None:
+        self.dropped_ids.append(group_id)
+
+
+def test_groups_with_an_episode_that_failed_before_its_first_turn_are_dropped() -> None:
+    config = multi_turn(steps=12)
+    workload = FailingPlannedWorkload()
+    trained: list[str] = []
+    clock = EmulatedClock(config, "async", workload)
+    step = workload.train
+
+    def train(groups: list[list[Trajectory]], version: int) -> StepResult:
+        trained.extend(group[0].group_id for group in groups)
+        return step(groups, version)
+
+    workload.train = train  # type: ignore[method-assign]
+    result = clock.run()
+    assert result.steps == 12 and len(trained) == len(set(trained))
+    assert result.trained_trajectories == len(trained) * config.workload.group_size
+    assert workload.dropped_ids and all(int(g[1:]) % 3 == 0 for g in workload.dropped_ids)
+    assert not set(workload.dropped_ids) & set(trained)
+    assert all(int(g[1:]) % 3 for g in trained)
 
 
 def test_a_turn_cut_by_publications_keeps_each_versions_tokens_and_routes() -> None:
