@@ -386,6 +386,13 @@ class EmulatedClock(_Simulation):
 
     # -- the trainer ---------------------------------------------------------------------------------
 
+    def batch_ready(self) -> bool:
+        """As in a simulation; and in the sync arm, a round whose every group has finished, short of a
+        whole batch by the groups dropped for a failed member, trains on the rest (as `train_sync`)."""
+        if super().batch_ready():
+            return True
+        return self.mode == "sync" and self.round_open and not self.running_groups and len(self.pool) > 0
+
     def _train(self, batch: list[list[Trajectory]], version: int) -> None:
         staleness = staleness_summary([t for group in batch for t in group], version)
         groups = sorted(batch, key=lambda group: group[0].group_id) if self.mode == "sync" else batch

@@ -376,7 +376,7 @@ class _Simulation:
     def try_train(self) -> None:
         """Draw and train when the trainer is free and a batch waits (`Run.next_batch`)."""
         config = self.config
-        if self.trainer_busy or self.finished or len(self.pool) < config.batch_groups:
+        if self.trainer_busy or self.finished or not self.batch_ready():
             return
         if self.mode == "sync" and self.running_groups:
             return  # a sync round trains only once all of it is generated
@@ -407,6 +407,10 @@ class _Simulation:
         self.trainer_busy = True
         self.push(self.now + duration, _TRAINED, None)
         self.try_launch()
+
+    def batch_ready(self) -> bool:
+        """Whether a batch can be drawn: a whole one waits in the pool."""
+        return len(self.pool) >= self.config.batch_groups
 
     def trained(self) -> None:
         """A step ended: the version moves (unless the step was skipped); every S updates the weights

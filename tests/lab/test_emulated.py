@@ -211,11 +211,13 @@ class FailingPlannedWorkload(PlannedWorkload):
         self.dropped_ids.append(group_id)
 
 
-def test_groups_with_an_episode_that_failed_before_its_first_turn_are_dropped() -> None:
-    config = multi_turn(steps=12)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_groups_with_an_episode_that_failed_before_its_first_turn_are_dropped(mode: Mode) -> None:
+    # the sync arm trains each round on the groups left, as train_sync does
+    config = multi_turn(steps=12, sync_steps=12)
     workload = FailingPlannedWorkload()
     trained: list[str] = []
-    clock = EmulatedClock(config, "async", workload)
+    clock = EmulatedClock(config, mode, workload)
     step = workload.train
 
     def train(groups: list[list[Trajectory]], version: int) -> StepResult:
