@@ -56,8 +56,9 @@ class SearchEnv(ToolEnv):
     bad arguments) if `on_tool_error="truncate"`.
 
     ## Arguments
-    `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default `search-train`;
-    its corpus is envs/data/search-corpus.jsonl, `pacerl serve retriever --corpus ...`);
+    `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default `search-train`,
+    single-hop and two-hop questions about the generated world of `envs.search_world`; its corpus is
+    envs/data/search-corpus.jsonl, `pacerl serve retriever --corpus ...`);
     `config`: a `ToolEnvConfig` (default: Hermes calls only), whose `settings["retriever_url"]` is the
     retriever's address; `render_mode`: None or "ansi"; `retriever_url`: sets that setting.
 
