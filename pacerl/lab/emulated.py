@@ -32,6 +32,11 @@ and the batch's real tokens are what the cost models see, each times `emulation.
 token costs as much as that many simulated ones: a tiny model's short turns stretched to a preset's
 lengths; the records and the staleness statistics keep the real tokens).
 
+The clock runs on a worker thread and waits for each real thing it needs (an episode's next action
+after a turn, the generations of the turns it admits together, a weight load, an update), which runs on
+the event loop meanwhile: everything real happens in the clock's order, one event at a time, whatever
+this machine's speed.
+
 A group counts as completed when its last member finishes (the simulator's convention: the records'
 `completed_version` is the version live then, for every member), so GS and WS split as in `pacerl
 simulate`; the real asynchronous loop stamps each member at its own finish. Not supported: checkpoints
@@ -633,9 +638,9 @@ def _answer(future: asyncio.Future[Generation], generation: Generation) -> None:
 
 async def train_emulated(run: Run, config: SimConfig, mode: Mode, *, token_scale: int = 1) -> dict[str, Any]:
     """Train `run` (built as for `train_sync`/`train_async`, embedded engine) under the clock of
-    `config` (`clock_config`): `mode` is the loop's. Writes `emulation.json` (the clock's config, which
-    `pacerl simulate --config` reads, and its result) into the run directory; returns the run's summary
-    with the clock's figures under `emulation`."""
+    `config` (`clock_config`): `mode` is the loop's. Writes `clock.json` (the clock's config, which
+    `pacerl simulate --config` reads) and `emulation.json` (its figures) into the run directory; returns
+    the run's summary with the clock's figures under `emulation`."""
     workload = RealWorkload(run, asyncio.get_running_loop())
     pool = run.pool if mode == "async" else None
     clock = EmulatedClock(config, mode, workload, pool=pool, token_scale=token_scale)
@@ -678,8 +683,10 @@ def emulation_summary(
 
 
 def write_emulation(run_dir: Path, config: SimConfig, token_scale: int, figures: Mapping[str, Any]) -> Path:
-    """`emulation.json`: the clock's `SimConfig` (as `pacerl simulate --config` reads it) and figures."""
+    """`clock.json`, the clock's `SimConfig` as `pacerl simulate --config` reads it, and `emulation.json`,
+    the clock's `token_scale` and figures; the path of the latter."""
+    (run_dir / "clock.json").write_text(json.dumps(config_to_dict(config), indent=1) + "\n", encoding="utf-8")
     path = run_dir / "emulation.json"
-    data = {"clock": config_to_dict(config), "token_scale": token_scale, "result": dict(figures)}
+    data = {"token_scale": token_scale, "result": dict(figures)}
     path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return path

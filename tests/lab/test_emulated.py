@@ -25,6 +25,7 @@ from pacerl import plots
 from pacerl.assembly import env_factory, num_experts, training_tasks
 from pacerl.config import ConfigError, config_from_dict
 from pacerl.lab.config import SimConfig
+from pacerl.lab.config import config_from_dict as lab_config_from_dict
 from pacerl.lab.costs import Distribution, InferenceConfig, WorkloadConfig
 from pacerl.lab.emulated import EmulatedClock, Turn, clock_config, train_emulated
 from pacerl.lab.engine import simulate_mode
@@ -383,6 +384,8 @@ def test_the_emulated_sync_arm_trains_on_exactly_what_train_sync_trains_on(
     assert len(times) == 3 and times == sorted(times) and times[0] > 0
     assert [row["sim/gpu_hours"] for row in rows] == pytest.approx([128 * t / 3600 for t in times])
     assert (tmp_path / "emulated" / "emulation.json").is_file()
+    saved = lab_config_from_dict(SimConfig(), json.loads((tmp_path / "emulated" / "clock.json").read_text()))
+    assert saved == clock  # what `pacerl simulate --config clock.json` runs
 
 
 # -- (3) bad configs ----------------------------------------------------------------------------------
@@ -414,9 +417,10 @@ def test_an_emulated_async_run_trains_on_turns_the_clock_cut_between_versions(
     times = [row["sim/time_s"] for row in rows]
     assert len(rows) == 5 and times == sorted(times) and times[-1] == pytest.approx(figures["simulated_s"])
     assert max(row["staleness/mean_gs"] for row in rows) > 0
-    saved = json.loads((run_dir / "emulation.json").read_text())
-    assert saved["clock"]["inference_gpus"] == 1 and saved["token_scale"] == 20
-    assert saved["clock"]["steps"] == 5 and saved["clock"]["filter"]["name"] == "none"
+    assert json.loads((run_dir / "emulation.json").read_text())["token_scale"] == 20
+    clock = lab_config_from_dict(SimConfig(), json.loads((run_dir / "clock.json").read_text()))
+    assert clock.inference_gpus == 1 and clock.steps == 5 and clock.filter.name == "none"
+    assert clock.workload.group_size == 4 and clock.token_block == 1
     assert len(_batches(run_dir)) == 5
 
 
