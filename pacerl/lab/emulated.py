@@ -277,6 +277,7 @@ class EmulatedClock(_Simulation):
         """The step being trained: its result, the batch's staleness and when it was drawn."""
         self._ending: tuple[StepResult, StalenessSummary, float] | None = None
         self._live = 0
+        self._first_turns: list[Episode] = []
 
     # -- episodes ------------------------------------------------------------------------------------
 
@@ -290,8 +291,18 @@ class EmulatedClock(_Simulation):
                 continue
             self.playing[episode.uid] = action
             episode.base_context = self.scale * len(action.input_ids)
+            self._first_turns.append(episode)
 
     def realise(self, engine: EngineState, opened: list[Episode]) -> None:
+        if self._first_turns:
+            # The first turns of every group launched since the last admission, generated together (one
+            # wide batch instead of one per engine); one that waits in a queue past a publication is
+            # generated again when it joins a batch, like any turn held under an older version.
+            first = [e for e in self._first_turns if self.playing[e.uid].held is None]
+            self._first_turns = []
+            self.side.generate([self.playing[e.uid] for e in first], engine.version)
+            for episode in first:
+                episode.responses[0] = self.scale * self.playing[episode.uid].held_length
         fresh = [e for e in opened if self.playing[e.uid].held_version != engine.version]
         for episode in fresh:
             turn = self.playing[episode.uid]

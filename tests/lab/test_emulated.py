@@ -190,6 +190,48 @@ def test_the_simulators_plan_through_the_emulated_clock_is_pacerl_simulate(
         assert reference.rejected_groups and reference.retractions > 0
 
 
+class ResizedWorkload(PlannedWorkload):
+    """Episodes whose real turns and tool responses are not the plan's: every turn `response` tokens,
+    every tool response `tool` tokens, whatever `launch_group` sampled."""
+
+    def __init__(self, response: int, tool: int) -> None:
+        super().__init__()
+        self.response, self.tool = response, tool
+
+    def launch(self, group: Group) -> list[Turn | Trajectory]:
+        turns = super().launch(group)  # the clock's plan stays as sampled: only the episodes differ
+        for key, (responses, tools) in list(self.plans.items()):
+            self.plans[key] = ([self.response] * len(responses), [self.tool] * len(tools))
+        for turn in turns:
+            assert isinstance(turn, Turn)
+            turn.sampling = SamplingParams(max_new_tokens=self.response)
+        return turns
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_clock_runs_on_the_real_lengths_not_the_planned_ones(mode: Mode) -> None:
+    # The plan says 100-token turns and 20-token tool responses, the episodes play 37 and 7: the clock
+    # must time the episodes as played, i.e. as `pacerl simulate` times a workload of 37 and 7 (constant
+    # lengths draw no samples, so every other sample, prompts, turns, latencies, is the same in both).
+    planned = multi_turn(steps=25, sync_steps=8)
+    workload = dataclasses.replace(
+        planned.workload, response_tokens=Distribution.constant(100), tool_tokens=Distribution.constant(20)
+    )
+    played = dataclasses.replace(
+        workload, response_tokens=Distribution.constant(37), tool_tokens=Distribution.constant(7)
+    )
+    emulated = EmulatedClock(
+        dataclasses.replace(planned, workload=workload), "async", ResizedWorkload(37, 7)
+    ).run()
+    reference = simulate_mode(dataclasses.replace(planned, workload=played), "async")
+    planned_run = simulate_mode(dataclasses.replace(planned, workload=workload), "async")
+    assert emulated.step_end_s != planned_run.step_end_s
+    assert dataclasses.replace(emulated, model_segments_per_trajectory=0.0) == dataclasses.replace(
+        reference, model_segments_per_trajectory=0.0
+    )
+    assert reference.interruptions > 0 or mode == "sync"
+
+
 class FailingPlannedWorkload(PlannedWorkload):
     """The plan, but the first member of every third group fails before its first turn (an env that
     could not start), which drops its group."""
