@@ -232,6 +232,35 @@ def test_the_clock_runs_on_the_real_lengths_not_the_planned_ones(mode: Mode) -> 
     assert reference.interruptions > 0 or mode == "sync"
 
 
+def test_token_scale_makes_each_real_token_cost_as_many_simulated_ones() -> None:
+    # 40-token prompts, 37-token turns and 7-token tool responses at token_scale 2 are timed as 80, 74 and
+    # 14 are by `pacerl simulate` (the sync arm: no publication cuts a turn, whose rest would be rounded
+    # to whole real tokens); the records keep the real tokens, half the simulator's.
+    planned = multi_turn(sync_steps=6)
+    workload = dataclasses.replace(
+        planned.workload,
+        prompt_tokens=Distribution.constant(40),
+        response_tokens=Distribution.constant(100),
+        tool_tokens=Distribution.constant(20),
+    )
+    played = dataclasses.replace(
+        workload,
+        prompt_tokens=Distribution.constant(80),
+        response_tokens=Distribution.constant(74),
+        tool_tokens=Distribution.constant(14),
+    )
+    clock = EmulatedClock(
+        dataclasses.replace(planned, workload=workload), "sync", ResizedWorkload(37, 7), token_scale=2
+    )
+    emulated = clock.run()
+    reference = simulate_mode(dataclasses.replace(planned, workload=played), "sync")
+    assert emulated.step_end_s == reference.step_end_s
+    assert emulated.trained_tokens == reference.trained_tokens
+    assert emulated.generated_tokens == reference.generated_tokens
+    assert emulated.inference_utilization == reference.inference_utilization
+    assert 2 * emulated.staleness.model_tokens == reference.staleness.model_tokens > 0
+
+
 class FailingPlannedWorkload(PlannedWorkload):
     """The plan, but the first member of every third group fails before its first turn (an env that
     could not start), which drops its group."""
