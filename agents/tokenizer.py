@@ -172,7 +172,10 @@ def default_corpus(seed: int = 0, per_env: int = 600) -> list[str]:
     python_schema = get_tool("python").schema()
     search_schema = get_tool("search").schema()
     texts = []
-    for task in load_tasks("codemath-train")[:per_env]:
+    # CodeMath's plain questions, then its other surface forms (the training forms: the held-out ones
+    # recombine their wordings and notations), so that no wording is spelt out byte by byte.
+    codemath = load_tasks("codemath-train")[:per_env] + load_tasks("codemath-forms-train")[: per_env // 2]
+    for task in codemath:
         texts.append(_render(renderer, _code_math_episode(task, rng), [python_schema]))
     for task in load_tasks("math-train")[:per_env]:
         texts.append(_render(renderer, _math_episode(task.question, task.answer), None))

@@ -42,9 +42,10 @@ class CodeMathEnv(ToolEnv):
     `on_tool_error="truncate"`.
 
     ## Arguments
-    `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default `codemath-train`:
-    arithmetic in 30 surface forms, `envs.tasks.codemath_tasks`; validation on `codemath-val`, and on the
-    six forms held out of training, `codemath-heldout`, reported on its own);
+    `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default `codemath-train`,
+    "What is EXPR?"; `codemath-forms-train`: the same arithmetic in 30 surface forms,
+    `envs.tasks.codemath_tasks`); validation on `codemath-val`, and on the six forms held out of
+    training, `codemath-heldout`, reported on its own;
     `config`: a `ToolEnvConfig`; `render_mode`: None or "ansi".
 
     ## Version History

@@ -421,8 +421,9 @@ class FactSet:
 
 
 SHIPPED: dict[str, ArithmeticSet | CodeMathSet | FactSet] = {
-    "codemath-train": CodeMathSet(2000, seed=1, forms=TRAINING_FORMS),
+    "codemath-train": ArithmeticSet(2000, seed=1, levels=(1, 2, 3)),
     "codemath-val": ArithmeticSet(200, seed=2, levels=(1, 2, 3)),
+    "codemath-forms-train": CodeMathSet(2000, seed=1, forms=TRAINING_FORMS),
     "codemath-heldout": CodeMathSet(200, seed=7, forms=HELDOUT_FORMS),
     "math-train": ArithmeticSet(2000, seed=3, levels=(1,)),
     "math-val": ArithmeticSet(200, seed=4, levels=(1,)),

@@ -81,16 +81,15 @@ def test_the_held_out_forms_recombine_what_training_shows() -> None:
 
 
 def test_the_shipped_sets_keep_held_out_forms_out_of_training() -> None:
-    train, heldout, val = (
-        load_tasks(name) for name in ("codemath-train", "codemath-heldout", "codemath-val")
-    )
-    assert len(train) == 2000 and len(heldout) == 200 and len(val) == 200
-    assert {t.metadata["form"] for t in train} == set(TRAINING_FORMS)
+    names = ("codemath-forms-train", "codemath-heldout", "codemath-train", "codemath-val")
+    forms, heldout, plain, val = (load_tasks(name) for name in names)
+    assert len(forms) == 2000 and len(heldout) == 200 and len(plain) == 2000 and len(val) == 200
+    assert {t.metadata["form"] for t in forms} == set(TRAINING_FORMS)
     assert {t.metadata["form"] for t in heldout} == set(HELDOUT_FORMS)
-    assert not {t.question for t in train} & {t.question for t in heldout}
-    # The existing-style set: "What is EXPR?" with 2-3 digit operands, a training form's wording.
-    assert all(t.question.startswith("What is ") and "form" not in t.metadata for t in val)
-    for task in [*train, *heldout, *val]:
+    assert not {t.question for t in [*forms, *plain]} & {t.question for t in heldout}
+    # The plain sets: "What is EXPR?" with 2-3 digit operands (the what-is/spaced form, untagged).
+    assert all(t.question.startswith("What is ") and "form" not in t.metadata for t in [*plain, *val])
+    for task in [*forms, *heldout, *plain, *val]:
         assert task.answer == str(independent_answer(task.question)), task
 
 
@@ -104,7 +103,7 @@ def test_the_generator_is_deterministic_per_seed() -> None:
 def test_demonstrations_solve_every_form_in_the_sandbox(style: str) -> None:
     """The teacher's code comes from the task, not from one template: each form's demonstration, played
     through the env with the real sandbox, earns reward 1."""
-    pool = [*load_tasks("codemath-train"), *load_tasks("codemath-heldout")]
+    pool = [*load_tasks("codemath-forms-train"), *load_tasks("codemath-heldout")]
     chosen: dict[tuple[str, bool], Task] = {}
     for task in pool:  # per form: an easy and a hard task where there is one
         chosen.setdefault((task.metadata["form"], is_easy(task)), task)
@@ -132,7 +131,7 @@ def test_demonstrations_solve_every_form_in_the_sandbox(style: str) -> None:
 
 
 def test_demonstrations_run_the_tasks_own_program() -> None:
-    (task,) = [t for t in load_tasks("codemath-train") if t.metadata["form"] == "evaluate/let"][:1]
+    (task,) = [t for t in load_tasks("codemath-forms-train") if t.metadata["form"] == "evaluate/let"][:1]
     call = code_math_turns(task)[0]["content"]
     code = json.loads(str(call).removeprefix("<tool_call>").removesuffix("</tool_call>"))["arguments"]["code"]
     assert code == task.metadata["code"] and "\n" in code  # a two-step program
