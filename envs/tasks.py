@@ -7,7 +7,8 @@ Schema of a task file (one JSON object per line, or one parquet row):
 `answer` is a string or a list of accepted strings (aliases); `level` is optional; any other column
 is kept in `Task.metadata`. Rows in verl's RL schema (Search-R1's processed parquet: `prompt`,
 `reward_model`, ...) are read too (`Task.from_verl_row`). The shipped files in envs/data/ were made by
-the generators below (`python -m envs.tasks` rewrites them; the seeds are in `SHIPPED`).
+the generators below (`python -m envs.tasks` rewrites them; the seeds are in `SHIPPED`), the Search
+world's corpus and questions by `envs.search_world` (`python -m envs.search_world`).
 """
 
 from __future__ import annotations
@@ -344,56 +345,6 @@ def _arithmetic(parts: Sequence[str]) -> int:
     return value
 
 
-_SYLLABLES = [
-    "ka",
-    "lo",
-    "mir",
-    "ven",
-    "tor",
-    "sa",
-    "quel",
-    "bri",
-    "dan",
-    "or",
-    "pha",
-    "zul",
-    "nim",
-    "ter",
-    "wyn",
-]
-_KINDS = ["city", "river", "mountain", "island", "kingdom"]
-
-
-def fact_corpus(entities: int, seed: int) -> tuple[list[dict[str, Any]], list[Task]]:
-    """A corpus about invented places (so no model knows the answers) and questions a search answers.
-
-    Each entity has one document (Search-R1 form: `{"id", "contents": '"Title"\\ntext'}`) and two
-    facts a question asks for: its founding year and the name of its founder.
-    """
-    rng = random.Random(seed)
-    names: set[str] = set()
-    while len(names) < entities:
-        names.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize())
-    documents, tasks = [], []
-    for index, name in enumerate(sorted(names)):
-        kind = rng.choice(_KINDS)
-        year = rng.randint(1100, 1990)
-        founder = "".join(rng.choice(_SYLLABLES) for _ in range(2)).capitalize()
-        neighbour = rng.choice(sorted(names - {name}))
-        text = (
-            f"{name} is {'an' if kind[0] in 'aeiou' else 'a'} {kind} near {neighbour}. "
-            f"It was first recorded in {year}, "
-            f"when the explorer {founder} described it. Travellers know {name} for its markets."
-        )
-        documents.append({"id": str(index), "contents": f'"{name}"\n{text}'})
-        tasks.append(
-            Task(f"fact-{index:05d}-year", f"In which year was {name} first recorded?", (str(year),), 1)
-        )
-        tasks.append(Task(f"fact-{index:05d}-who", f"Which explorer first described {name}?", (founder,), 1))
-    rng.shuffle(tasks)
-    return documents, tasks
-
-
 @dataclass(frozen=True)
 class ArithmeticSet:
     """A shipped arithmetic task file: how many, which seed, which levels."""
@@ -412,24 +363,15 @@ class CodeMathSet:
     forms: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class FactSet:
-    """The shipped search corpus and its questions (search-train and the last 200: search-val)."""
-
-    entities: int
-    seed: int
-
-
-SHIPPED: dict[str, ArithmeticSet | CodeMathSet | FactSet] = {
+SHIPPED: dict[str, ArithmeticSet | CodeMathSet] = {
     "codemath-train": ArithmeticSet(2000, seed=1, levels=(1, 2, 3)),
     "codemath-val": ArithmeticSet(200, seed=2, levels=(1, 2, 3)),
     "codemath-forms-train": CodeMathSet(2000, seed=1, forms=TRAINING_FORMS),
     "codemath-heldout": CodeMathSet(200, seed=7, forms=HELDOUT_FORMS),
     "math-train": ArithmeticSet(2000, seed=3, levels=(1,)),
     "math-val": ArithmeticSet(200, seed=4, levels=(1,)),
-    "search-corpus": FactSet(500, seed=5),
 }
-"""How each shipped file in envs/data/ was made."""
+"""How each shipped task file in envs/data/ was made (the Search world's files: `envs.search_world`)."""
 
 
 def write_shipped(directory: Path = DATA_DIR) -> None:
@@ -438,15 +380,9 @@ def write_shipped(directory: Path = DATA_DIR) -> None:
         if isinstance(spec, ArithmeticSet):
             tasks = arithmetic_tasks(spec.count, spec.seed, spec.levels, prefix=name)
             write_jsonl(directory / f"{name}.jsonl", (t.to_row() for t in tasks))
-        elif isinstance(spec, CodeMathSet):
+        else:
             tasks = codemath_tasks(spec.count, spec.seed, spec.forms, prefix=name)
             write_jsonl(directory / f"{name}.jsonl", (t.to_row() for t in tasks))
-        else:
-            documents, questions = fact_corpus(spec.entities, spec.seed)
-            write_jsonl(directory / f"{name}.jsonl", documents)
-            cut = len(questions) - 200
-            write_jsonl(directory / "search-train.jsonl", (t.to_row() for t in questions[:cut]))
-            write_jsonl(directory / "search-val.jsonl", (t.to_row() for t in questions[cut:]))
 
 
 if __name__ == "__main__":
