@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from agents.engine.embedded import EmbeddedEngine
 from agents.engine.protocol import Engine
@@ -74,11 +74,20 @@ def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
     return make
 
 
-def load_policy(config: RunConfig) -> tuple[Any, PreTrainedTokenizerBase]:
-    """The model to train and its tokenizer: built from `model.tiny`, or loaded from `model.path` with the
+TOKENIZER_DIR = "tokenizer"
+"""Where a run built from `model.tiny` keeps the tokenizer it was trained with (in its run directory)."""
+
+
+def load_policy(config: RunConfig, saved: Path | None = None) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The model to train and its tokenizer: built from `model.tiny` (with the tokenizer saved in
+    `saved` when it holds one: a resumed run keeps the tokens its weights were trained on, even after
+    the tiny tokenizer's corpus changed in a newer pacerl), or loaded from `model.path` with the
     checkpoint's own tokenizer and chat template (pacerl's template only when it has none)."""
     if config.model.path is None:
-        tokenizer = tiny_tokenizer()
+        if saved is not None and (saved / "tokenizer.json").is_file():
+            tokenizer = with_chat_template(AutoTokenizer.from_pretrained(saved))
+        else:
+            tokenizer = tiny_tokenizer()
         return build_tiny_moe(config.model.tiny, tokenizer), tokenizer
     try:
         model, loaded = load_model(config.model.path)

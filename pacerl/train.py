@@ -23,6 +23,7 @@ from transformers.utils import logging as transformers_logging
 from agents.models import save_model
 from envs.registry import env_class
 from pacerl.assembly import (
+    TOKENIZER_DIR,
     WarmStartInterruptedError,
     background_evaluator,
     build_run,
@@ -91,11 +92,13 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
             raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from")
         checkpoint = load_checkpoint(path)
     seed_everything(config)
-    model, tokenizer = load_policy(config)
+    model, tokenizer = load_policy(config, run_dir / TOKENIZER_DIR if resume else None)
     make_env = env_factory(config)  # an unknown env or task file fails here, before anything is written
     tasks = training_tasks(make_env)
     _prepare_run_dir(run_dir, fresh=not resume)
     save_config(saved, run_dir / CONFIG_FILE)
+    if config.model.path is None and not resume:  # the tiny tokenizer is rebuilt from code: keep this one
+        tokenizer.save_pretrained(run_dir / TOKENIZER_DIR)
     if checkpoint is None:
         stop = threading.Event()
         with _signals_set(stop):

@@ -260,6 +260,7 @@ def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:
     assert saved["env"]["id"] == "pacerl/CodeMath-v0" and saved["sft"]["style"] == "auto"
     assert "SFT warm start (teacher, 4 steps)" in trained.stderr
     assert (run_dir / "warm_start" / "config.json").is_file()
+    assert (run_dir / "tokenizer" / "tokenizer.json").is_file()  # what a resume trains on (below)
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows if "eval/accuracy" in row] == [0, 1, 2]
     # CodeMath's held-out question forms, evaluated beside the main set and reported on their own.
@@ -333,3 +334,20 @@ def test_ctrl_c_during_training_checkpoints_and_resume_finishes(
     assert summary["interrupted"] is True and 2 <= summary["step"] < 1000
     assert f"continue with: pacerl train --resume {run_dir}" in out
     assert load_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state["step"] == summary["step"]  # type: ignore[arg-type]
+
+
+def test_a_tiny_run_resumes_with_the_tokenizer_it_was_trained_with(tmp_path: Path) -> None:
+    """A run built from `model.tiny` saves its tokenizer; a resume reads it back, so weights trained on
+    one tokenizer are never fed the ids of a tiny tokenizer whose corpus changed since."""
+    from agents.tokenizer import tiny_tokenizer, train_tokenizer
+    from pacerl.assembly import load_policy
+
+    other = train_tokenizer(["alpha beta gamma delta", "What is 2 + 2?", "<tool_call>x</tool_call>"], 300)
+    other.save_pretrained(tmp_path / "tokenizer")
+    assert other.get_vocab() != tiny_tokenizer().get_vocab()
+    model, tokenizer = load_policy(config_from_dict({}), tmp_path / "tokenizer")
+    assert tokenizer.get_vocab() == other.get_vocab()
+    assert model.get_input_embeddings().weight.shape[0] == len(tokenizer)
+    assert tokenizer.chat_template  # the saved one carries pacerl's template
+    _, fresh = load_policy(config_from_dict({}), tmp_path / "nothing-here")
+    assert fresh.get_vocab() == tiny_tokenizer().get_vocab()
