@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/retriever.py [--documents 100000] [--out benchmarks/results/retriever.json]
 
-The corpus is made here (seeded): invented places in the style of the earlier Search corpus, each
-document a ~60-word passage whose filler words follow a Zipf law over a 20k-word vocabulary, so posting
-lists are as skewed as in real text. Queries ask for a place's founding year or founder. Measured: index build time,
+The corpus is made here (seeded): invented places in the style of the earlier Search corpus, each document
+a ~60-word passage whose filler words follow a Zipf law over a 20k-word vocabulary, so posting lists are
+as skewed as in real text. Queries ask for a place's founding year or founder. Measured: index build time,
 queries/s batched and one by one in-process, and over HTTP batched (Search-R1's rollout sends a whole
 batch per request), one by one on a keep-alive connection, with 16 concurrent callers, and through the
 `search` tool (a new connection per call, as an episode makes it), plus top-1 accuracy as a sanity check.
