@@ -251,24 +251,42 @@ async def evaluate(
     started = time.perf_counter()
     groups = await asyncio.gather(*(play(task) for task in chosen))
     wall = time.perf_counter() - started
-    return _report(chosen, groups, config, engine.version, label, wall)
+    outcomes = [[_outcome(t) for t in group] for group in groups]
+    return build_report(chosen, outcomes, config, engine.version, label, wall)
 
 
-def _report(
+@dataclass(frozen=True)
+class EpisodeOutcome:
+    """What the report counts of one episode, whoever played it (the rollout driver, a served model)."""
+
+    status: Status
+    status_reason: str
+    reward: float | None
+    """The final reward; None for a failed episode."""
+    called_a_tool: bool
+    turns: int
+    generated_tokens: int
+
+
+def build_report(
     tasks: Sequence[Task],
-    groups: Sequence[Sequence[Trajectory]],
+    groups: Sequence[Sequence[EpisodeOutcome]],
     config: EvalConfig,
     version: int,
     label: str,
     wall: float,
 ) -> EvalReport:
-    episodes = [trajectory for group in groups for trajectory in group]
+    """The `EvalReport` of each task's episodes (`groups`, in the order of `tasks`)."""
+    episodes = [outcome for group in groups for outcome in group]
+    if not episodes:
+        raise ValueError("no episodes to report")
+    threshold = config.success_threshold
     results = tuple(
-        TaskResult(task.id, len(group), sum(_correct(t, config.success_threshold) for t in group))
+        TaskResult(task.id, len(group), sum(e.reward is not None and e.reward >= threshold for e in group))
         for task, group in zip(tasks, groups, strict=True)
     )
     failures = Counter(
-        f"{t.status.value}: {t.status_reason}" for t in episodes if t.status is not Status.COMPLETED
+        f"{e.status.value}: {e.status_reason}" for e in episodes if e.status is not Status.COMPLETED
     )
     count = len(episodes)
     return EvalReport(
@@ -279,10 +297,10 @@ def _report(
         samples=config.samples,
         avg_at_k=_mean(avg_at_k(r.samples, r.correct) for r in results),
         pass_at_k={k: _mean(pass_at_k(r.samples, r.correct, k) for r in results) for k in config.all_ks},
-        mean_reward=sum(t.reward or 0.0 for t in episodes) / count,
-        tool_call_rate=sum(_called_a_tool(t) for t in episodes) / count,
-        mean_turns=sum(t.num_turns for t in episodes) / count,
-        mean_generated_tokens=sum(t.num_model_tokens for t in episodes) / count,
+        mean_reward=sum(e.reward or 0.0 for e in episodes) / count,
+        tool_call_rate=sum(e.called_a_tool for e in episodes) / count,
+        mean_turns=sum(e.turns for e in episodes) / count,
+        mean_generated_tokens=sum(e.generated_tokens for e in episodes) / count,
         failures=dict(sorted(failures.items())),
         per_task=results,
         wall_seconds=wall,
@@ -290,8 +308,15 @@ def _report(
     )
 
 
-def _correct(trajectory: Trajectory, threshold: float) -> bool:
-    return trajectory.reward is not None and trajectory.reward >= threshold
+def _outcome(trajectory: Trajectory) -> EpisodeOutcome:
+    return EpisodeOutcome(
+        trajectory.status,
+        trajectory.status_reason,
+        trajectory.reward,
+        _called_a_tool(trajectory),
+        trajectory.num_turns,
+        trajectory.num_model_tokens,
+    )
 
 
 def _called_a_tool(trajectory: Trajectory) -> bool:

@@ -30,14 +30,13 @@ import math
 import os
 import time
 import zlib
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import openai
 
-from agents.evaluation import EvalConfig, EvalReport, TaskResult, avg_at_k, pass_at_k
+from agents.evaluation import EpisodeOutcome, EvalConfig, EvalReport, build_report
 from agents.trajectory import Status
 from envs import Task, ToolEnv
 from envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
@@ -429,37 +428,12 @@ def served_report(
     wall: float,
 ) -> EvalReport:
     """The `EvalReport` of served episodes, computed as `evaluate` computes it from trajectories."""
-    episodes = [e for played in groups for e in played]
-    if not episodes:
-        raise ValueError("no episodes to report")
-    threshold = config.success_threshold
-    results = tuple(
-        TaskResult(task.id, len(played), sum(e.reward is not None and e.reward >= threshold for e in played))
-        for task, played in zip(tasks, groups, strict=True)
-    )
-    failures = Counter(
-        f"{e.status.value}: {e.status_reason}" for e in episodes if e.status is not Status.COMPLETED
-    )
-    count = len(episodes)
-    return EvalReport(
-        label=label,
-        policy_version=0,
-        tasks=len(tasks),
-        episodes=count,
-        samples=config.samples,
-        avg_at_k=sum(avg_at_k(r.samples, r.correct) for r in results) / len(results),
-        pass_at_k={
-            k: sum(pass_at_k(r.samples, r.correct, k) for r in results) / len(results) for k in config.all_ks
-        },
-        mean_reward=sum(e.reward or 0.0 for e in episodes) / count,
-        tool_call_rate=sum(e.tool_calls > 0 for e in episodes) / count,
-        mean_turns=sum(e.turns for e in episodes) / count,
-        mean_generated_tokens=sum(e.completion_tokens for e in episodes) / count,
-        failures=dict(sorted(failures.items())),
-        per_task=results,
-        wall_seconds=wall,
-        config=config,
-    )
+    outcomes = [
+        [EpisodeOutcome(e.status, e.status_reason, e.reward, e.tool_calls > 0, e.turns, e.completion_tokens)
+         for e in played]
+        for played in groups
+    ]  # fmt: skip
+    return build_report(tasks, outcomes, config, 0, label, wall)
 
 
 def _brief(error: Exception) -> str:
