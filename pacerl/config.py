@@ -215,6 +215,10 @@ class EmulationSpec:
     token_scale: int = 1
     """Simulated tokens each real token costs in the decode, prefill, KV and training models (a tiny
     model's short turns stretched to a preset's lengths; the records keep the real tokens). >= 1."""
+    max_gpu_hours: float | None = None
+    """Stop after the step at which the emulated cluster (inference plus trainer GPUs) has spent this many
+    simulated GPU-hours, so that arms on different loops compare at equal cost; None: `loop.steps` (and
+    `loop.max_wall_s`) alone decide. > 0."""
 
     def __post_init__(self) -> None:
         if self.clock not in ("real", "emulated"):
@@ -231,6 +235,8 @@ class EmulationSpec:
             or self.token_scale < 1
         ):
             raise ValueError(f"emulation.token_scale must be an integer >= 1, got {self.token_scale!r}")
+        if self.max_gpu_hours is not None and not self.max_gpu_hours > 0:
+            raise ValueError(f"emulation.max_gpu_hours must be > 0 or None, got {self.max_gpu_hours!r}")
 
 
 def _default_rollout() -> RolloutConfig:

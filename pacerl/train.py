@@ -168,7 +168,13 @@ def _emulated_loop(config: RunConfig) -> Callable[[Run], Coroutine[Any, Any, dic
         )
     except ValueError as error:
         raise ConfigError(f"config: emulation: {error}") from None
-    return functools.partial(train_emulated, config=clock, mode=loop.mode, token_scale=spec.token_scale)
+    return functools.partial(
+        train_emulated,
+        config=clock,
+        mode=loop.mode,
+        token_scale=spec.token_scale,
+        max_gpu_hours=spec.max_gpu_hours,
+    )
 
 
 @contextlib.contextmanager

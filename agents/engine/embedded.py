@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -49,8 +49,15 @@ class EmbeddedEngineConfig:
     keep the caches and continue (PipelineRL)."""
     seed: int = 0
     """Seed of the engine's samplers (requests may bring their own)."""
+    router_noise: float = 0.0
+    """Relative spread of a fixed perturbation of the engine's MoE router weights: each router tensor
+    gets Gaussian noise of this many times its RMS, drawn anew at every weight load (seeded by `seed`
+    and the version). A stand-in for the kernel and precision differences that make an inference
+    engine route some tokens to other experts than the trainer does (what R3 removes); 0: none."""
 
     def __post_init__(self) -> None:
+        if not self.router_noise >= 0:
+            raise ValueError(f"router_noise must be >= 0, got {self.router_noise}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.interrupt not in ("reprefill", "continue"):
@@ -138,6 +145,16 @@ class EmbeddedEngine:
         self._eos = {eos} if isinstance(eos, int) else set(eos or [])
         self._pad = int(model.config.pad_token_id or 0)
         self._recorder = _GateRecorder(model)
+        gate_ids = {id(gate) for gate in self._recorder.gates}
+        self._router_params = {
+            f"{name}.{param_name}" if name else param_name: param
+            for name, module in model.named_modules()
+            if id(module) in gate_ids
+            for param_name, param in module.named_parameters(recurse=False)
+            if param.is_floating_point()
+        }
+        """The routers' own tensors by state-dict name: what `router_noise` perturbs."""
+        self._perturb_routers(self._router_params, version)
         self._ids = itertools.count()
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []
@@ -223,7 +240,7 @@ class EmbeddedEngine:
             raise ValueError(f"the new version {version} must exceed the current {self._version}")
         self._bind()
         async with self._step_lock:
-            await asyncio.to_thread(self._load, state_dict)
+            await asyncio.to_thread(self._load, state_dict, version)
             self._version = version
             if self.config.interrupt == "reprefill" and self._rows:
                 await asyncio.to_thread(self._reprefill)
@@ -456,7 +473,7 @@ class EmbeddedEngine:
     # -- weights --------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def _load(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         own = self.model.state_dict()
         unknown = set(state_dict) - set(own)
         if unknown:
@@ -467,6 +484,19 @@ class EmbeddedEngine:
                     f"{name}: shape {tuple(tensor.shape)} does not match {tuple(own[name].shape)}"
                 )
             own[name].copy_(tensor)
+        self._perturb_routers([name for name in state_dict if name in self._router_params], version)
+
+    @torch.no_grad()
+    def _perturb_routers(self, names: Iterable[str], version: int) -> None:
+        """Add `router_noise` to the named router tensors just loaded as `version` (once per load)."""
+        if not self.config.router_noise:
+            return
+        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + version)
+        for name in sorted(names):
+            param = self._router_params[name]
+            scale = self.config.router_noise * float(param.float().pow(2).mean().sqrt())
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.add_((noise * scale).to(device=param.device, dtype=param.dtype))
 
     @torch.no_grad()
     def _reprefill(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -40,27 +41,57 @@ class Arm:
     """Columns carried into the table as they are (e.g. the publication lag)."""
 
 
-def warm_start(directory: Path, env_id: str, steps: int | None) -> Path:
+def warm_start(
+    directory: Path, env_id: str, steps: int | None, settings: Mapping[str, Any] | None = None
+) -> Path:
     """The shared SFT warm start of every arm (`pacerl sft`, the run config's default warm start for
-    the env unless `steps` is given), made once."""
+    the env unless `steps` or `settings`, dotted keys such as `sft.tasks`, say otherwise), made once."""
     if (directory / "config.json").is_file():
         return directory
     command = [sys.executable, "-m", "pacerl", "sft", "--out", str(directory), f"env.id={env_id}"]
-    subprocess.run([*command, *([f"sft.steps={steps}"] if steps is not None else [])], cwd=ROOT, check=True)
+    command += [f"sft.steps={steps}"] if steps is not None else []
+    command += [f"{key}={json.dumps(value)}" for key, value in (settings or {}).items()]
+    subprocess.run(command, cwd=ROOT, check=True)
     return directory
 
 
-def run_arm(arm: Arm, base: Mapping[str, Any], runs: Path) -> dict[str, Any]:
-    """Train one arm (unless its run directory has a summary already) and summarise its metrics."""
+EIGHT_SUMS = ((3, 3), (2, 5), (7, 1), (4, 4), (6, 2), (1, 8), (5, 3), (9, 0))
+"""The toy's RL and evaluation tasks (docs/experiments.md, docs/calibration.md): eight one-digit sums."""
+
+
+def sums_tasks(directory: Path) -> tuple[Path, Path]:
+    """(all 100 one-digit sums, the eight of `EIGHT_SUMS`) as `pacerl/Math-v0` task files in `directory`:
+    the toy setting where the staleness and learning-rate experiments run (SFT on all, RL on eight)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {"id": f"add-{a}-{b}", "question": f"What is {a} + {b}?", "answer": str(a + b)}
+        for a in range(10)
+        for b in range(10)
+    ]
+    every, eight = directory / "sums.jsonl", directory / "eight.jsonl"
+    every.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    chosen = [row for row in rows if tuple(int(n) for n in row["id"].split("-")[1:]) in EIGHT_SUMS]
+    eight.write_text("".join(json.dumps(row) + "\n" for row in chosen))
+    return every, eight
+
+
+def run_arm(arm: Arm, base: Mapping[str, Any], runs: Path, threads: int | None = None) -> dict[str, Any]:
+    """Train one arm (unless its run directory has a summary of a finished run with the same settings)
+    and summarise its metrics; `threads`: torch threads of its process (None: the config's)."""
     run_dir = runs / f"{arm.name}-seed{arm.seed}"
     done = run_dir / SUMMARY
-    if done.is_file():
-        return dict(json.loads(done.read_text()))
+    settings = {**base, **arm.overrides, "run_dir": str(run_dir), "seed": arm.seed}
+    if done.is_file() and "error" not in json.loads(done.read_text()):  # a failed arm runs again
+        finished = dict(json.loads(done.read_text()))
+        if finished.get("settings") != json.loads(json.dumps(settings)):
+            raise SystemExit(f"{run_dir} finished with other settings: remove it to run the arm again")
+        return finished
     if run_dir.exists():  # an arm interrupted mid-way starts over: a partial run is no comparison
         import shutil
 
         shutil.rmtree(run_dir)
-    settings = {**base, **arm.overrides, "run_dir": str(run_dir), "seed": arm.seed}
+    if threads is not None:
+        settings["threads"] = threads
     pairs = [f"{key}={json.dumps(value)}" for key, value in settings.items()]
     command = [sys.executable, "-m", "pacerl", "train", *pairs]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -69,6 +100,7 @@ def run_arm(arm: Arm, base: Mapping[str, Any], runs: Path) -> dict[str, Any]:
         summary = {"arm": arm.name, "seed": arm.seed, "error": tail}
     else:
         summary = {"arm": arm.name, "seed": arm.seed, **arm.extra, **summarise(run_dir)}
+    summary["settings"] = settings
     run_dir.mkdir(parents=True, exist_ok=True)
     done.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -90,13 +122,24 @@ def summarise(run_dir: Path) -> dict[str, Any]:
     ws = [sum(row.get(f"staleness/ws_hist_{b}", 0.0) for row in train) for b in range(9)]
     last = train[-1] if train else {}
     rewards = [row["reward"] for row in train]
+    # Emulated runs (docs/simulation.md): each version's simulated GPU-hours, from the step that made it.
+    gpu_hours = {int(row["version"]): row["sim/gpu_hours"] for row in train if "sim/gpu_hours" in row}
+    gpu_hours.setdefault(0, 0.0)
+    emulation = run_dir / "emulation.json"
     return {
         "steps": len(train),
         "updates": int(last.get("version", 0)),
         "wall_s": (train[-1]["time"] - start) if train else 0.0,
         "eval_start": evals[0]["eval/accuracy"] if evals else math.nan,
         "eval_end": evals[-1]["eval/accuracy"] if evals else math.nan,
-        "eval_curve": [(row["time"] - start, row["eval/version"], row["eval/accuracy"]) for row in evals],
+        "eval_curve": [
+            (row["time"] - start, row["eval/version"], row["eval/accuracy"], gpu_hours.get(version))
+            for row in evals
+            for version in [int(row["eval/version"])]
+        ],
+        "gpu_hours": last.get("sim/gpu_hours"),
+        "sim_s": last.get("sim/time_s"),
+        "emulation": json.loads(emulation.read_text())["result"] if emulation.is_file() else None,
         "reward_curve": [(row["time"] - start, row["reward"]) for row in train],
         "mean_reward_last_quarter": _tail_mean(rewards, 0.25),
         "mean_gs": mean("staleness/mean_gs"),
@@ -127,12 +170,50 @@ def shares(histogram: Sequence[float], top: int = 2) -> str:
     return "/".join(f"{100 * count / total:.0f}" for count in bins)
 
 
-def time_to_reach(curve: Sequence[Sequence[float]], target: float) -> float | None:
-    """Seconds until an evaluation first reached `target` accuracy (None: never)."""
-    for seconds, _, accuracy in curve:
-        if accuracy >= target:
-            return float(seconds)
+def time_to_reach(curve: Sequence[Sequence[Any]], target: float, axis: int = 0) -> float | None:
+    """The `axis` coordinate of an evaluation curve's first point at `target` accuracy or more (0:
+    wall-clock seconds, 3: simulated GPU-hours), None if none reached it."""
+    for point in curve:
+        if point[2] >= target:
+            return float(point[axis])
     return None
+
+
+T_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145)
+"""Student's t quantile 0.975 for 1, 2, ... degrees of freedom (two-sided 95%); 1.96 beyond the table
+is within 5% of it from 15 on."""
+
+
+def mean_ci(values: Sequence[float]) -> tuple[float, float, int]:
+    """(mean, half-width of its 95% t-interval, n) over the finite `values`; nan half-width for n < 2."""
+    finite = [float(v) for v in values if v is not None and math.isfinite(v)]
+    n = len(finite)
+    if n == 0:
+        return math.nan, math.nan, 0
+    mean = sum(finite) / n
+    if n < 2:
+        return mean, math.nan, n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in finite) / (n - 1))
+    return mean, (T_95[n - 2] if n - 1 <= len(T_95) else 1.96) * sd / math.sqrt(n), n
+
+
+def format_ci(values: Sequence[float | None], digits: int = 3, of: int | None = None) -> str:
+    """`mean ± half-width` of `values` (`mean_ci`); `(k/of)` appended when only k of `of` are finite."""
+    mean, half, n = mean_ci([v for v in values if v is not None])
+    if n == 0:
+        return "–" if of is None else f"– (0/{of})"
+    text = f"{mean:.{digits}f}" + ("" if math.isnan(half) else f" ± {half:.{digits}f}")
+    return text if of is None or n == of else f"{text} ({n}/{of})"
+
+
+def run_arms(arms: Sequence[Arm], base: Mapping[str, Any], runs: Path, parallel: int) -> list[dict[str, Any]]:
+    """`run_and_report` for every arm, `parallel` processes at a time with the CPUs divided among them;
+    the summaries in the order of `arms`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = max(1, (os.cpu_count() or 1) // parallel)
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        return list(pool.map(lambda arm: run_and_report(arm, base, runs, threads), arms))
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
@@ -150,20 +231,25 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[st
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(summaries: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
-    """Evaluation accuracy against wall-clock seconds, one line per arm and seed."""
+def plot_curves(summaries: Sequence[Mapping[str, Any]], path: Path, title: str, axis: int = 0) -> None:
+    """Evaluation accuracy against wall-clock seconds (`axis` 0) or simulated GPU-hours (3), one colour
+    per arm and one line per seed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(8, 4.5))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
+    colours: dict[str, str] = {}
     for summary in summaries:
-        curve = summary.get("eval_curve") or []
+        curve = [p for p in summary.get("eval_curve") or [] if p[axis] is not None]
         if curve:
-            label = f"{summary['arm']} s{summary['seed']}"
-            axes.plot([p[0] for p in curve], [p[2] for p in curve], marker="o", label=label)
-    axes.set_xlabel("wall-clock seconds")
+            arm = str(summary["arm"])
+            first = arm not in colours
+            colours.setdefault(arm, f"C{len(colours) % 10}")
+            xs, ys = [p[axis] for p in curve], [p[2] for p in curve]
+            axes.plot(xs, ys, marker="o", markersize=3, color=colours[arm], label=arm if first else None)
+    axes.set_xlabel("wall-clock seconds" if axis == 0 else "simulated GPU-hours (emulated cluster)")
     axes.set_ylabel("validation accuracy (greedy)")
     axes.set_title(title)
     axes.legend(fontsize=7)
@@ -180,6 +266,33 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], help="extra key=value for every arm")
 
 
+def add_cluster_arguments(parser: argparse.ArgumentParser, trainer_gpus: int = 8) -> None:
+    """The emulated cluster's options (docs/simulation.md): by default AReaL's cost models with 96
+    inference GPUs and a trainer too small to keep up, turns stretched 100× to a preset's lengths."""
+    parser.add_argument("--preset", default="areal")
+    parser.add_argument("--inference-gpus", type=int, default=96)
+    parser.add_argument("--trainer-gpus", type=int, default=trainer_gpus)
+    parser.add_argument("--token-scale", type=int, default=100)
+    parser.add_argument("--parallel", type=int, default=2, help="arms trained at a time")
+
+
+def cluster_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The `emulation.*` keys of `add_cluster_arguments`' options."""
+    return {
+        "emulation.clock": "emulated",
+        "emulation.preset": args.preset,
+        "emulation.inference_gpus": args.inference_gpus,
+        "emulation.trainer_gpus": args.trainer_gpus,
+        "emulation.token_scale": args.token_scale,
+    }
+
+
+def cluster_label(args: argparse.Namespace) -> str:
+    """The emulated cluster in words, for headings and titles."""
+    gpus = f"{args.inference_gpus} + {args.trainer_gpus} GPUs"
+    return f"{args.preset} clock, {gpus}, token scale {args.token_scale}"
+
+
 def prepare(args: argparse.Namespace, name: str, base: Mapping[str, Any]) -> tuple[str, Path, dict[str, Any]]:
     """(env slug, runs directory, base config): the shared warm start made, `--set` applied."""
     slug = args.env.split("/")[-1].lower()
@@ -191,9 +304,11 @@ def prepare(args: argparse.Namespace, name: str, base: Mapping[str, Any]) -> tup
     return slug, runs, settings
 
 
-def run_and_report(arm: Arm, base: Mapping[str, Any], runs: Path) -> dict[str, Any]:
+def run_and_report(
+    arm: Arm, base: Mapping[str, Any], runs: Path, threads: int | None = None
+) -> dict[str, Any]:
     """`run_arm`, with one progress line."""
-    summary = run_arm(arm, base, runs)
+    summary = run_arm(arm, base, runs, threads)
     print(json.dumps({k: summary.get(k) for k in ("arm", "seed", "eval_end", "steps")}), flush=True)
     return summary
 
@@ -204,12 +319,16 @@ def write_results(
     title: str,
     summaries: Sequence[Mapping[str, Any]],
     columns: Sequence[tuple[str, str]],
+    *,
+    before: str = "",
+    axis: int = 0,
 ) -> str:
-    """`results/<stem>.{md,json,png}`; returns the markdown table."""
+    """`results/<stem>.{md,json,png}`: `before` (e.g. the table over seeds) above the per-run table,
+    the plot against `plot_curves`' `axis`; returns the markdown written."""
     out = ROOT / "benchmarks" / "experiments" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(summaries, columns)
-    (out / f"{stem}.md").write_text(f"{heading}\n\n{table}")
+    text = f"{heading}\n\n" + (f"{before}\n" if before else "") + markdown_table(summaries, columns)
+    (out / f"{stem}.md").write_text(text)
     (out / f"{stem}.json").write_text(json.dumps(list(summaries), indent=2) + "\n")
-    plot_curves(summaries, out / f"{stem}.png", title)
-    return table
+    plot_curves(summaries, out / f"{stem}.png", title, axis)
+    return text

@@ -514,8 +514,12 @@ class RealWorkload:
     """The run's real parts behind the clock: its driver plays the episodes (env, sandbox, tokens) through
     a `_ClockedEngine`, its engine generates the turns, its learner trains, its metrics record."""
 
-    def __init__(self, run: Run, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, run: Run, loop: asyncio.AbstractEventLoop, *, max_gpu_hours: float | None = None
+    ) -> None:
         self.run, self.bridge, self.engine = run, _Bridge(loop), run.engine
+        self.max_gpu_hours = max_gpu_hours
+        """The run ends after the step whose `sim/gpu_hours` reaches this (None: no such budget)."""
         self.live = run.engine.version
         self.max_context = int(getattr(run.engine, "max_context", 1 << 62))
         driver = run.driver
@@ -625,7 +629,8 @@ class RealWorkload:
         run.extra_scalars = scalars
         run.record(result, staleness)
         self.bridge.call(run.evaluate())
-        return run.should_continue()
+        budget = self.max_gpu_hours
+        return run.should_continue() and (budget is None or scalars["sim/gpu_hours"] < budget)
 
     def prefix_drift(self, trajectories: Sequence[Trajectory]) -> list[float] | None:
         return self.run.learner.prefix_drift(trajectories)
@@ -647,12 +652,15 @@ def _answer(future: asyncio.Future[Generation], generation: Generation) -> None:
 # -- the entry point ----------------------------------------------------------------------------------
 
 
-async def train_emulated(run: Run, config: SimConfig, mode: Mode, *, token_scale: int = 1) -> dict[str, Any]:
+async def train_emulated(
+    run: Run, config: SimConfig, mode: Mode, *, token_scale: int = 1, max_gpu_hours: float | None = None
+) -> dict[str, Any]:
     """Train `run` (built as for `train_sync`/`train_async`, embedded engine) under the clock of
-    `config` (`clock_config`): `mode` is the loop's. Writes `clock.json` (the clock's config, which
-    `pacerl simulate --config` reads) and `emulation.json` (its figures) into the run directory; returns
-    the run's summary with the clock's figures under `emulation`."""
-    workload = RealWorkload(run, asyncio.get_running_loop())
+    `config` (`clock_config`): `mode` is the loop's; the run ends at `config`'s steps or after the step
+    that reaches `max_gpu_hours` simulated GPU-hours, whichever comes first. Writes `clock.json` (the
+    clock's config, which `pacerl simulate --config` reads) and `emulation.json` (its figures) into the
+    run directory; returns the run's summary with the clock's figures under `emulation`."""
+    workload = RealWorkload(run, asyncio.get_running_loop(), max_gpu_hours=max_gpu_hours)
     pool = run.pool if mode == "async" else None
     clock = EmulatedClock(config, mode, workload, pool=pool, token_scale=token_scale)
     started = time.monotonic()

@@ -267,3 +267,46 @@ def test_one_engine_serves_successive_event_loops() -> None:
     second = asyncio.run(engine.generate([3, 4], GREEDY))  # a new loop: fresh loop-bound state
     assert first.tokens == second.tokens
     asyncio.run(engine.aclose())
+
+
+async def test_router_noise_moves_only_the_engines_routers_and_is_drawn_anew_per_load() -> None:
+    """`router_noise` (the stand-in for an engine whose kernels route some tokens differently from the
+    trainer's): the engine's router tensors, and only they, differ from the weights it was given by
+    noise of the configured relative size, redrawn at each load; the routes it records are its own."""
+    trainer = tiny_moe()
+    clean = {k: v.clone() for k, v in trainer.state_dict().items()}
+    engine_model = tiny_moe()
+    engine = EmbeddedEngine(engine_model, config=EmbeddedEngineConfig(router_noise=0.5, seed=3))
+    gates = sorted(engine._router_params)
+    assert gates == ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
+
+    def relative_noise(name: str, against: dict[str, torch.Tensor]) -> float:
+        given = against[name]
+        moved = engine_model.state_dict()[name] - given
+        return float(moved.pow(2).mean().sqrt() / given.pow(2).mean().sqrt())
+
+    for name, tensor in engine_model.state_dict().items():
+        if name in gates:
+            assert 0.4 < relative_noise(name, clean) < 0.6
+        else:
+            assert torch.equal(tensor, clean[name])
+    first = engine_model.state_dict()[gates[0]].clone()
+    await engine.update_weights(clean, version=1)  # the same weights again: fresh noise on them
+    second = engine_model.state_dict()[gates[0]]
+    assert 0.4 < relative_noise(gates[0], clean) < 0.6 and not torch.equal(first, second)
+    # A partial update without the routers leaves their noise as it was (never added twice).
+    others = {k: v for k, v in clean.items() if k not in gates}
+    await engine.update_weights(others, version=2)
+    assert torch.equal(engine_model.state_dict()[gates[0]], second)
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17]
+    result = await engine.generate(prompt, GREEDY, return_routed_experts=True)
+    await engine.aclose()
+    recorder = _GateRecorder(trainer)
+    with torch.no_grad():
+        trainer(torch.tensor([prompt + list(result.tokens[:-1])]))
+    trainer_routes = recorder.take()
+    recorder.close()
+    assert result.routed_experts is not None and trainer_routes is not None
+    assert (result.routed_experts != trainer_routes).any()  # the trainer would route some tokens elsewhere
+    with pytest.raises(ValueError, match="router_noise must be >= 0"):
+        EmbeddedEngineConfig(router_noise=-0.1)

@@ -457,6 +457,16 @@ def test_the_emulated_sync_arm_trains_on_exactly_what_train_sync_trains_on(
     assert (tmp_path / "emulated" / "emulation.json").is_file()
     saved = lab_config_from_dict(SimConfig(), json.loads((tmp_path / "emulated" / "clock.json").read_text()))
     assert saved == clock  # what `pacerl simulate --config clock.json` runs
+    # A GPU-hour budget (`emulation.max_gpu_hours`, equal-cost comparisons) between the first two steps'
+    # figures ends the same run after its second step, the first to reach it, at that step's figure.
+    hours = [row["sim/gpu_hours"] for row in rows]
+    budgeted, _ = _sync_run(warm_model, tmp_path / "budgeted")
+    budget = (hours[0] + hours[1]) / 2
+    summary = asyncio.run(train_emulated(budgeted, clock, "sync", max_gpu_hours=budget))
+    assert summary["step"] == summary["emulation"]["steps"] == 2
+    assert [row["sim/gpu_hours"] for row in read_metrics(tmp_path / "budgeted" / "metrics.jsonl")] == hours[
+        :2
+    ]
 
 
 # -- (3) bad configs ----------------------------------------------------------------------------------
@@ -504,6 +514,7 @@ def test_an_emulated_async_run_trains_on_turns_the_clock_cut_between_versions(
         ({"emulation": {"clock": "emulated", "token_scale": 0}}, "token_scale must be an integer >= 1"),
         ({"emulation": {"clock": "emulated", "inference_gpus": 0}}, "inference_gpus must be an integer >= 1"),
         ({"emulation": {"clock": "fast"}}, "emulation.clock: .*real.*emulated"),
+        ({"emulation": {"clock": "emulated", "max_gpu_hours": 0}}, "max_gpu_hours must be > 0 or None"),
     ],
 )
 def test_configs_the_emulated_clock_cannot_run_are_refused_at_load(
