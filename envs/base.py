@@ -13,6 +13,7 @@ no env; a user's env registered as `their_module:Name-v0` gets the same treatmen
 - `extra_validation_tasks`: named validation sets a run's evaluations report separately (held-out forms);
 - `warm_start_steps` and `demonstration(task, style, rng)`: the demonstration styles the env writes,
   with their default SFT steps, and the turns of one demonstration (none: no warm start);
+  `warm_start_stages`: styles that are curricula of other styles, trained one after the other;
 - `services(settings)`: what the env's tools need started for a run (the Search env's retriever).
 
 Vectorised: `gymnasium.vector.SyncVectorEnv` works as it is; `AsyncVectorEnv` needs
@@ -108,6 +109,10 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
     """The demonstration styles `demonstration` writes, each with its default SFT steps for a fresh
     model; the first is the default style. Empty: no demonstrations (a fresh model trains without a
     warm start)."""
+    warm_start_stages: ClassVar[Mapping[str, Sequence[str]]] = {}
+    """Styles of `warm_start_steps` that are curricula rather than demonstrations: the styles trained one
+    after the other, the curriculum's steps split evenly between them, each stage with its own
+    optimizer and learning-rate warm-up (CodeMath's skill first, then the teacher's habit)."""
 
     def __init__(
         self,

@@ -58,7 +58,11 @@ class CodeMathEnv(ToolEnv):
     extra_validation_tasks = {"heldout": "codemath-heldout"}  # noqa: RUF012 (a ClassVar of the base)
     # The teacher opens docs/learnability.md's behaviour gap; its 300 steps put the gap in place. Clean
     # demonstrations stop at 75 (the skill gap: greedy accuracy 30-50%).
-    warm_start_steps = {"teacher": 300, "clean": 75}  # noqa: RUF012 (a ClassVar of the base)
+    warm_start_steps = {"teacher": 300, "clean": 75, "clean+teacher": 400}  # noqa: RUF012 (a ClassVar of the base)
+    # The skill first (clean tool use in every training form), then the teacher's habit of answering easy
+    # problems directly: RL then closes a behaviour gap on held-out forms too, where the teacher alone
+    # leaves a miscopying skill gap (docs/training.md#the-default-run).
+    warm_start_stages = {"clean+teacher": ("clean", "teacher")}  # noqa: RUF012 (a ClassVar of the base)
 
     def __init__(
         self,
@@ -80,8 +84,8 @@ class CodeMathEnv(ToolEnv):
         easy problems (an operand of at most two digits) the answer comes directly, correctly, with
         probability `TEACHER_DIRECT_P`: a student copies the habit but cannot do the arithmetic, so RL
         has a tool-use behaviour to learn (docs/learnability.md's behaviour gap)."""
-        if style not in self.warm_start_steps:
-            styles = ", ".join(self.warm_start_steps)
+        if style not in self.warm_start_steps or style in self.warm_start_stages:
+            styles = ", ".join(s for s in self.warm_start_steps if s not in self.warm_start_stages)
             raise ValueError(f"{type(self).__name__} writes {styles} demonstrations, not {style!r}")
         direct = style == "teacher" and is_easy(task) and rng.random() < TEACHER_DIRECT_P
         return code_math_turns(task, direct=direct)

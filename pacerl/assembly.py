@@ -175,28 +175,46 @@ def warm_start(
         return {}
     if spec.tasks is not None:
         tasks = load_tasks(spec.tasks)
-    demos = demonstrations(
-        config.env.id,
-        tasks,
-        seed=config.seed,
-        style=style,
-        system_prompt=config.env.system_prompt,
-        tool_schemas=config.rollout.tool_schemas_in_prompt,
-        tokenizer=tokenizer,
-    )
-    sft_config = SFTConfig(lr=spec.lr, steps=steps, batch_size=spec.batch_size, seed=config.seed)
-    with ProgressDisplay(f"sft ({style})", steps, 0) as display:
-
-        def on_step(step: int, loss: float) -> bool:
-            display.show(step + 1, f"loss {loss:.3f}")
-            return stop is not None and stop.is_set()
-
-        losses = sft(model, demos, sft_config, on_step=on_step)
-    if stop is not None and stop.is_set():
-        raise WarmStartInterruptedError(
-            f"interrupted during the SFT warm start at step {len(losses)} of {steps}"
+    losses: list[float] = []
+    stages = warm_start_stages(config.env.id, style, steps)
+    for index, (stage, stage_steps) in enumerate(stages):
+        demos = demonstrations(
+            config.env.id,
+            tasks,
+            seed=config.seed,
+            style=stage,
+            system_prompt=config.env.system_prompt,
+            tool_schemas=config.rollout.tool_schemas_in_prompt,
+            tokenizer=tokenizer,
         )
+        sft_config = SFTConfig(lr=spec.lr, steps=stage_steps, batch_size=spec.batch_size, seed=config.seed)
+        label = f"sft ({stage})" if len(stages) == 1 else f"sft ({stage}, stage {index + 1}/{len(stages)})"
+        with ProgressDisplay(label, stage_steps, 0) as display:
+
+            def on_step(step: int, loss: float) -> bool:
+                display.show(step + 1, f"loss {loss:.3f}")
+                return stop is not None and stop.is_set()
+
+            losses += sft(model, demos, sft_config, on_step=on_step)
+        if stop is not None and stop.is_set():
+            raise WarmStartInterruptedError(
+                f"interrupted during the SFT warm start at step {len(losses)} of {steps}"
+            )
     return {"sft/first_loss": losses[0], "sft/last_loss": losses[-1], "sft/steps": float(len(losses))}
+
+
+def warm_start_stages(env_id: str, style: str, steps: int) -> list[tuple[str, int]]:
+    """(demonstration style, steps) of each stage of a warm start in `style`: one stage, unless the env
+    makes `style` a curriculum (`ToolEnv.warm_start_stages`), whose stages share `steps` evenly (the
+    first ones take the remainder; a stage left without steps is skipped)."""
+    cls = env_class(env_id)
+    curriculum = tuple(cls.warm_start_stages.get(style, (style,)))
+    for stage in curriculum if style in cls.warm_start_stages else ():
+        if stage not in cls.warm_start_steps or stage in cls.warm_start_stages:
+            raise ValueError(f"{env_id}: the curriculum {style!r} names {stage!r}, not a demonstration style")
+    share, extra = divmod(steps, len(curriculum))
+    stages = [(stage, share + (index < extra)) for index, stage in enumerate(curriculum)]
+    return [(stage, count) for stage, count in stages if count > 0]
 
 
 def seed_everything(config: RunConfig) -> None:

@@ -133,6 +133,9 @@ def demonstrations(
     style = style or next(iter(cls.warm_start_steps))
     if style not in cls.warm_start_steps:
         raise ValueError(f"{env_id} writes {', '.join(cls.warm_start_steps)} demonstrations, not {style!r}")
+    if style in cls.warm_start_stages:
+        stages = ", ".join(cls.warm_start_stages[style])
+        raise ValueError(f"{env_id}'s {style!r} is a curriculum of {stages}: demonstrate each of those")
     if not tasks:
         raise ValueError("no tasks to demonstrate")
     if tokenizer is None:

@@ -310,6 +310,56 @@ def test_the_warm_start_style_follows_the_env() -> None:
     )
 
 
+def test_a_curriculum_style_trains_its_stages_one_after_the_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CodeMath's `clean+teacher`: clean demonstrations first, then the teacher's, the steps split
+    evenly, each stage its own `sft` call (own optimizer and warm-up); a curriculum is not itself a
+    demonstration style, and one naming no style the env writes is refused."""
+    from envs import load_tasks
+    from pacerl import assembly
+    from trainer.sft import demonstrations
+
+    assert assembly.warm_start_stages("pacerl/CodeMath-v0", "clean+teacher", 400) == [
+        ("clean", 200),
+        ("teacher", 200),
+    ]
+    assert assembly.warm_start_stages("pacerl/CodeMath-v0", "clean+teacher", 5) == [
+        ("clean", 3),
+        ("teacher", 2),
+    ]
+    assert assembly.warm_start_stages("pacerl/CodeMath-v0", "clean+teacher", 1) == [("clean", 1)]
+    assert assembly.warm_start_stages("pacerl/CodeMath-v0", "teacher", 300) == [("teacher", 300)]
+    tasks = load_tasks("codemath-forms-train")[:40]
+    with pytest.raises(ValueError, match="'clean\\+teacher' is a curriculum of clean, teacher"):
+        demonstrations("pacerl/CodeMath-v0", tasks, style="clean+teacher")
+    calls: list[tuple[list[tuple[int, ...]], int, float]] = []
+
+    def recording_sft(model: object, demos: list, config: object, **_: object) -> list[float]:  # type: ignore[type-arg]
+        calls.append(([d.tokens for d in demos], config.steps, config.lr))  # type: ignore[attr-defined]
+        return [float(len(calls))] * config.steps  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(assembly, "sft", recording_sft)
+    config = config_from_dict({"sft": {"style": "clean+teacher", "steps": 5}})
+    model, tokenizer = assembly.load_policy(config)
+    stats = assembly.warm_start(config, model, tokenizer, tasks)
+    assert [(steps, lr) for _, steps, lr in calls] == [(3, 2e-3), (2, 2e-3)]
+    for (tokens, _, _), style in zip(calls, ("clean", "teacher"), strict=True):
+        expected = demonstrations(
+            "pacerl/CodeMath-v0",
+            tasks,
+            style=style,
+            system_prompt=config.env.system_prompt,
+            tokenizer=tokenizer,
+        )
+        assert tokens == [d.tokens for d in expected]
+    assert calls[0][0] != calls[1][0]  # the teacher answers some easy problems directly
+    assert stats == {"sft/first_loss": 1.0, "sft/last_loss": 2.0, "sft/steps": 5.0}
+    from envs.code_math import CodeMathEnv
+
+    monkeypatch.setattr(CodeMathEnv, "warm_start_stages", {"clean+teacher": ("clean", "coach")})
+    with pytest.raises(ValueError, match="the curriculum 'clean\\+teacher' names 'coach'"):
+        assembly.warm_start_stages("pacerl/CodeMath-v0", "clean+teacher", 4)
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_training_checkpoints_and_resume_finishes(
     warm_model: tuple[Path, Path], tmp_path: Path
