@@ -134,7 +134,8 @@ def build_run(
         )
         engine = SGLangEngine(options)
     else:
-        engine = EmbeddedEngine(build_twin(model), tokenizer, config.engine)
+        engine_seed = replicate_seed(config.engine.seed, config.seed)
+        engine = EmbeddedEngine(build_twin(model), tokenizer, replace(config.engine, seed=engine_seed))
     if runtime is None:
         learner = Learner(model, config.learner, pad_id=int(tokenizer.pad_token_id or 0))
     driver = RolloutDriver(engine, tokenizer, make_episode, config.rollout, num_experts=num_experts(model))
@@ -144,12 +145,20 @@ def build_run(
         driver=driver,
         tasks=tasks,
         pool=TrajectoryPool(config.filter),
-        config=config.loop,
+        config=replace(config.loop, seed=replicate_seed(config.loop.seed, config.seed)),
         run_dir=run_dir,
     )
     if runtime is not None:
         runtime.attach(run)
     return run
+
+
+def replicate_seed(own: int, run_seed: int) -> int:
+    """The seed a component (`engine.seed`: the samplers; `loop.seed`: the task order) runs with under the
+    run's `seed`: its own at run seed 0, another one for every other run seed, so that runs differing
+    only in `seed` are independent replicates (a warm-started model has no random init for the torch
+    seed to change, so without this they would be the same run)."""
+    return own + 1_000_003 * run_seed
 
 
 class WarmStartInterruptedError(Exception):

@@ -262,7 +262,9 @@ class RunConfig:
     threads: int = 2
     """torch threads (the engine and the learner share them)."""
     seed: int = 0
-    """Seed of torch, numpy and python's RNGs at the start of the run."""
+    """Seed of torch, numpy and python's RNGs at the start of the run, and with their own seeds of the
+    engine's samplers (`engine.seed`) and the task order (`loop.seed`): runs that differ only in `seed`
+    are independent replicates (`pacerl.assembly.replicate_seed`)."""
     model: ModelSpec = field(default_factory=ModelSpec)
     """The model."""
     env: EnvSpec = field(default_factory=EnvSpec)

@@ -5,7 +5,8 @@ the PACE paper's Table 1 in kind; the emulated clock: docs/simulation.md).
 
     .venv/bin/python benchmarks/experiments/cluster_pace.py [--seeds 0,1,2] [--gpu-hours 4] [--parallel 2]
 
-Every arm starts from one shared SFT warm start; the clock is `emulation.preset` (AReaL's cost models)
+Every arm starts from one shared SFT warm start (by default the teacher's 300 steps on `codemath-train`,
+the recipe these results were measured with); the clock is `emulation.preset` (AReaL's cost models)
 with `--inference-gpus` + `--trainer-gpus`, turns stretched by `--token-scale`. Greedy accuracy on
 held-out tasks at the start and every `--eval-every` steps. The table over seeds reports each arm's final
 accuracy (mean ± 95% t-interval), the simulated GPU-hours it needed to reach the sync arm's mean final
@@ -91,6 +92,8 @@ def main() -> None:
     add_cluster_arguments(parser)
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms")
     parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--tasks", default="codemath-train", help="training tasks (env.tasks)")
+    parser.add_argument("--sft-style", default="teacher", help="style of the shared warm start")
     args = parser.parse_args()
     base = {
         **cluster_settings(args),
@@ -98,8 +101,9 @@ def main() -> None:
         "loop.steps": 100_000,
         "loop.batch_groups": 16,
         "evaluation.every": args.eval_every,
+        "env.tasks": args.tasks,
     }
-    slug, runs, base = prepare(args, "cluster_pace", base)
+    slug, runs, base = prepare(args, "cluster_pace", base, {"sft.style": args.sft_style})
     names = args.arms.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     arms = [Arm(name, ARMS[name][0], seed, ARMS[name][1]) for seed in seeds for name in names]

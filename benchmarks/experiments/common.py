@@ -293,11 +293,15 @@ def cluster_label(args: argparse.Namespace) -> str:
     return f"{args.preset} clock, {gpus}, token scale {args.token_scale}"
 
 
-def prepare(args: argparse.Namespace, name: str, base: Mapping[str, Any]) -> tuple[str, Path, dict[str, Any]]:
-    """(env slug, runs directory, base config): the shared warm start made, `--set` applied."""
+def prepare(
+    args: argparse.Namespace, name: str, base: Mapping[str, Any], sft: Mapping[str, Any] | None = None
+) -> tuple[str, Path, dict[str, Any]]:
+    """(env slug, runs directory, base config): the shared warm start made (with the `sft` settings,
+    e.g. `sft.style`), `--set` applied."""
     slug = args.env.split("/")[-1].lower()
     runs = ROOT / "runs" / "experiments" / f"{name}-{slug}"
-    model = warm_start(runs / "warm-start", args.env, args.sft_steps)
+    tasks = {"env.tasks": base["env.tasks"]} if "env.tasks" in base else {}
+    model = warm_start(runs / "warm-start", args.env, args.sft_steps, {**tasks, **(sft or {})})
     settings = {"model.path": str(model), "env.id": args.env, **base}
     settings["evaluation.settings.max_tasks"] = args.eval_tasks
     settings.update(dict(item.split("=", 1) for item in args.set))

@@ -360,6 +360,26 @@ def test_a_curriculum_style_trains_its_stages_one_after_the_other(monkeypatch: p
         assembly.warm_start_stages("pacerl/CodeMath-v0", "clean+teacher", 4)
 
 
+def test_runs_that_differ_only_in_seed_sample_and_order_tasks_independently(tmp_path: Path) -> None:
+    """A warm-started model has no random init, so the run's `seed` must reach the engine's samplers and
+    the task order, or seeds 0, 1, 2 of an experiment would be one run three times; seed 0 keeps the
+    components' own seeds."""
+    from pacerl import assembly
+
+    built = {}
+    for seed in (0, 1, 2):
+        config = config_from_dict({"seed": seed, "engine": {"seed": 5}, "loop": {"seed": 7}})
+        model, tokenizer = assembly.load_policy(config)
+        make_env = assembly.env_factory(config)
+        run = assembly.build_run(
+            config, tmp_path / str(seed), model, tokenizer, make_env, [f"t{i}" for i in range(40)]
+        )  # type: ignore[list-item]
+        built[seed] = (run.engine.config.seed, run.cursor.seed, [run.cursor.next()[1] for _ in range(12)])  # type: ignore[attr-defined]
+    assert built[0][:2] == (5, 7)
+    assert len({b[0] for b in built.values()}) == 3 and len({b[1] for b in built.values()}) == 3
+    assert len({tuple(b[2]) for b in built.values()}) == 3  # three task orders
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_training_checkpoints_and_resume_finishes(
     warm_model: tuple[Path, Path], tmp_path: Path
