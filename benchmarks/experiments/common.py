@@ -90,9 +90,8 @@ def run_arm(arm: Arm, base: Mapping[str, Any], runs: Path, threads: int | None =
         import shutil
 
         shutil.rmtree(run_dir)
-    if threads is not None:
-        settings["threads"] = threads
     pairs = [f"{key}={json.dumps(value)}" for key, value in settings.items()]
+    pairs += [] if threads is None else [f"threads={threads}"]  # how it ran, not what it is: not compared
     command = [sys.executable, "-m", "pacerl", "train", *pairs]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
