@@ -42,10 +42,10 @@ class CodeMathEnv(ToolEnv):
     `on_tool_error="truncate"`.
 
     ## Arguments
-    `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default `codemath-train`,
-    "What is EXPR?"; `codemath-forms-train`: the same arithmetic in 30 surface forms,
-    `envs.tasks.codemath_tasks`); validation on `codemath-val`, and on the six forms held out of
-    training, `codemath-heldout`, reported on its own;
+    `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default
+    `codemath-forms-train`: arithmetic in 30 surface forms, `envs.tasks.codemath_tasks`;
+    `codemath-train`: "What is EXPR?" only); validation on `codemath-val` ("What is EXPR?"), and on the
+    six forms held out of training, `codemath-heldout`, reported on its own;
     `config`: a `ToolEnvConfig`; `render_mode`: None or "ansi".
 
     ## Version History
@@ -56,17 +56,17 @@ class CodeMathEnv(ToolEnv):
     validation_tasks = "codemath-val"
     # Questions in surface forms no training task is written in (envs.tasks.HELDOUT_FORMS).
     extra_validation_tasks = {"heldout": "codemath-heldout"}  # noqa: RUF012 (a ClassVar of the base)
-    # The teacher opens docs/learnability.md's behaviour gap; its 300 steps put the gap in place. Clean
-    # demonstrations stop at 75 (the skill gap: greedy accuracy 30-50%).
-    warm_start_steps = {"teacher": 300, "clean": 75, "clean+teacher": 400}  # noqa: RUF012 (a ClassVar of the base)
-    # The skill first (clean tool use in every training form), then the teacher's habit of answering easy
-    # problems directly: RL then closes a behaviour gap on held-out forms too, where the teacher alone
-    # leaves a miscopying skill gap (docs/training.md#the-default-run).
+    # The default: the skill first (clean tool use in every training form, 200 steps), then the
+    # teacher's habit of answering easy problems directly (200): RL closes that behaviour gap on held-out
+    # forms too, where the teacher alone leaves a miscopying skill gap (docs/training.md#the-default-run).
+    # The teacher alone opens docs/learnability.md's behaviour gap in 300 steps; clean demonstrations
+    # stop at 75 (the skill gap: greedy accuracy 30-50%).
+    warm_start_steps = {"clean+teacher": 400, "teacher": 300, "clean": 75}  # noqa: RUF012 (a ClassVar of the base)
     warm_start_stages = {"clean+teacher": ("clean", "teacher")}  # noqa: RUF012 (a ClassVar of the base)
 
     def __init__(
         self,
-        tasks: str | Sequence[Task] = "codemath-train",
+        tasks: str | Sequence[Task] = "codemath-forms-train",
         config: ToolEnvConfig | None = None,
         render_mode: str | None = None,
     ) -> None:

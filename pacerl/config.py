@@ -75,8 +75,8 @@ class WarmStartSpec:
     always; never."""
     steps: int | None = None
     """Optimizer steps; None: the env's default for the style (`ToolEnv.warm_start_steps`: CodeMath's
-    teacher 300, its behaviour gap in place by then; clean 75, docs/learnability.md's skill gap; Search's
-    clean 300, copying out of passages is learnt late)."""
+    clean+teacher 400, 200 of each; teacher 300, its behaviour gap in place by then; clean 75,
+    docs/learnability.md's skill gap; Search's clean 300, copying out of passages is learnt late)."""
     style: str = "auto"
     """Demonstration style, one the env writes (`ToolEnv.warm_start_steps`; the shipped envs: clean tool
     use, or CodeMath's teacher, whose behaviour gap RL closes within minutes on this CPU); auto: the

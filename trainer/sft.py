@@ -122,7 +122,7 @@ def demonstrations(
     `demonstration(task, style, rng)` turns after its `initial_messages(task)`), rendered as the env and
     the driver would with `ToolEnvConfig(system_prompt=system_prompt)` (None: the env's own prompt,
     "": none) and `RolloutConfig(tool_schemas_in_prompt=tool_schemas)`. `style`: one of the env's
-    `warm_start_steps` (None: its first).
+    `warm_start_steps` that is no curriculum (`warm_start_stages`; None: the first such).
 
     Deterministic: a task's demonstration depends only on `seed` and the task (not on its neighbours).
     `tokenizer` defaults to `agents.tokenizer.tiny_tokenizer()`.
@@ -130,7 +130,7 @@ def demonstrations(
     cls = env_class(env_id)
     if not cls.warm_start_steps:
         raise ValueError(f"{env_id} writes no demonstrations (its class sets no warm_start_steps)")
-    style = style or next(iter(cls.warm_start_steps))
+    style = style or next(s for s in cls.warm_start_steps if s not in cls.warm_start_stages)
     if style not in cls.warm_start_steps:
         raise ValueError(f"{env_id} writes {', '.join(cls.warm_start_steps)} demonstrations, not {style!r}")
     if style in cls.warm_start_stages:

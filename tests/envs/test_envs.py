@@ -159,7 +159,10 @@ def test_reset_is_seeded_and_takes_tasks_by_id() -> None:
     env = CodeMathEnv()
     first = env.reset(seed=7)[1]["task_id"]
     assert env.reset(seed=7)[1]["task_id"] == first
-    assert env.reset(options={"task_id": "codemath-train-00003"})[1]["task_id"] == "codemath-train-00003"
+    assert (
+        env.reset(options={"task_id": "codemath-forms-train-00003"})[1]["task_id"]
+        == "codemath-forms-train-00003"
+    )
     assert (
         env.reset(options={"task": {"question": "What is 2+2?", "answer": "4"}})[0][1]["content"]
         == "What is 2+2?"

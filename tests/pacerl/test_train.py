@@ -301,7 +301,7 @@ def test_ctrl_c_during_the_warm_start_exits_cleanly(tmp_path: Path) -> None:
 
 def test_the_warm_start_style_follows_the_env() -> None:
     spec = config_from_dict({}).sft
-    assert spec.resolved("pacerl/CodeMath-v0") == ("teacher", 300)
+    assert spec.resolved("pacerl/CodeMath-v0") == ("clean+teacher", 400)
     assert spec.resolved("pacerl/Math-v0") == ("clean", 75)
     assert spec.resolved("pacerl/Search-v0") == ("clean", 300)  # copying out of passages is learnt late
     assert config_from_dict({"sft": {"style": "clean", "steps": 9}}).sft.resolved("pacerl/CodeMath-v0") == (
