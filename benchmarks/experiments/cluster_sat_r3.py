@@ -11,7 +11,7 @@ emulated clock (`emulation.preset`, `--inference-gpus` + `--trainer-gpus`, `--to
 staleness of each arm is a cluster's, not this CPU's. The table over seeds reports the final accuracy
 and the reward of the last quarter of the steps (mean ± 95% t-interval), how many seeds collapsed
 (docs/algorithms.md §8's detector), the mismatch |log π_θ − log μ|, the routing disagreement R3 removes,
-the clip fraction and the SAT gate rate. Results go to
+the clip fraction and the SAT gate rate. Results go to (`--name`, by default)
 benchmarks/experiments/results/cluster_sat_r3-math-v0.{md,json,png}; runs to runs/experiments/.
 """
 
@@ -108,11 +108,13 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=60)
     add_cluster_arguments(parser)
     parser.add_argument("--set", action="append", default=[], help="extra key=value for every arm")
+    parser.add_argument("--name", default="cluster_sat_r3-math-v0", help="results' stem and runs' directory")
     args = parser.parse_args()
-    runs = ROOT / "runs" / "experiments" / "cluster_sat_r3-math-v0"
-    every, eight = sums_tasks(runs / "tasks")
+    runs = ROOT / "runs" / "experiments" / args.name
+    shared = ROOT / "runs" / "experiments" / "cluster_sat_r3-math-v0"  # one warm start for every --name
+    every, eight = sums_tasks(shared / "tasks")
     sft = {"sft.tasks": str(every), "sft.batch_size": 32}
-    model = warm_start(runs / "warm-start", ENV, args.sft_steps, sft)
+    model = warm_start(shared / "warm-start", ENV, args.sft_steps, sft)
     base: dict[str, Any] = {
         "model.path": str(model),
         "env.id": ENV,
@@ -158,7 +160,7 @@ def main() -> None:
     )
     table = over_seeds(summaries, [name for name, _, _ in chosen], len(seeds))
     title = f"{ENV}: GSPO vs SAT-GSPO, with and without R3 ({cluster})"
-    print(write_results("cluster_sat_r3-math-v0", heading, title, summaries, columns, before=table, axis=3))
+    print(write_results(args.name, heading, title, summaries, columns, before=table, axis=3))
 
 
 if __name__ == "__main__":
