@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, add_cluster_arguments, cluster_label, cluster_settings, sums_tasks
+from common import ROOT, add_cluster_arguments, cluster_label, cluster_settings, relative_paths, sums_tasks
 
 
 def main() -> None:
@@ -32,9 +32,19 @@ def main() -> None:
     parser.add_argument("--lrs", default="5e-4,1e-3,2e-3,4e-3")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--sft-steps", type=int, default=60)
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=4,
+        help="groups generating at once (filter.max_concurrent_groups): one batch keeps the pool from "
+        "piling up, so that the staleness is S's and not the pool's",
+    )
+    parser.add_argument(
+        "--name", default="cluster_calibration-math-v0", help="results' stem and sweep's directory"
+    )
     add_cluster_arguments(parser)
     args = parser.parse_args()
-    out = ROOT / "runs" / "experiments" / "cluster_calibration-math-v0"
+    out = ROOT / "runs" / "experiments" / args.name
     every, eight = sums_tasks(out / "tasks")
     settings = {
         "env.id": "pacerl/Math-v0",
@@ -43,7 +53,7 @@ def main() -> None:
         "sft.steps": args.sft_steps,
         "sft.batch_size": 32,
         "loop.batch_groups": 4,
-        "filter.max_concurrent_groups": 8,
+        "filter.max_concurrent_groups": args.in_flight,
         **cluster_settings(args),
     }
     command = [sys.executable, "-m", "pacerl", "calibrate", "--out", str(out), "--steps", str(args.steps)]
@@ -52,11 +62,14 @@ def main() -> None:
     command += [f"{key}={json.dumps(value)}" for key, value in settings.items()]
     subprocess.run(command, cwd=ROOT, check=True)
     results = ROOT / "benchmarks" / "experiments" / "results"
-    stem = "cluster_calibration-math-v0"
+    stem = args.name
     report = (out / "calibration.md").read_text()
-    heading = f"Staleness × learning rate under emulated timing ({cluster_label(args)}), seeds {args.seeds}"
-    (results / f"{stem}.md").write_text(f"{heading}\n\n{report}")
-    shutil.copyfile(out / "calibration.json", results / f"{stem}.json")
+    heading = (
+        f"Staleness × learning rate under emulated timing ({cluster_label(args)}, {args.in_flight} groups in "
+        f"flight), seeds {args.seeds}"
+    )
+    (results / f"{stem}.md").write_text(relative_paths(f"{heading}\n\n{report}"))
+    (results / f"{stem}.json").write_text(relative_paths((out / "calibration.json").read_text()))
     shutil.copyfile(out / "stability.png", results / f"{stem}.png")
     print(f"wrote {results / stem}.{{md,json,png}}")
 

@@ -316,6 +316,11 @@ def run_and_report(
     return summary
 
 
+def relative_paths(text: str) -> str:
+    """`text` with this checkout's absolute paths made relative to its root (results are committed)."""
+    return text.replace(f"{ROOT}{os.sep}", "").replace(str(ROOT), ".")
+
+
 def write_results(
     stem: str,
     heading: str,
@@ -331,7 +336,7 @@ def write_results(
     out = ROOT / "benchmarks" / "experiments" / "results"
     out.mkdir(parents=True, exist_ok=True)
     text = f"{heading}\n\n" + (f"{before}\n" if before else "") + markdown_table(summaries, columns)
-    (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps(list(summaries), indent=2) + "\n")
+    (out / f"{stem}.md").write_text(relative_paths(text))
+    (out / f"{stem}.json").write_text(relative_paths(json.dumps(list(summaries), indent=2) + "\n"))
     plot_curves(summaries, out / f"{stem}.png", title, axis)
     return text
