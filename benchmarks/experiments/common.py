@@ -250,7 +250,7 @@ def plot_curves(summaries: Sequence[Mapping[str, Any]], path: Path, title: str, 
             axes.plot(xs, ys, marker="o", markersize=3, color=colours[arm], label=arm if first else None)
     axes.set_xlabel("wall-clock seconds" if axis == 0 else "simulated GPU-hours (emulated cluster)")
     axes.set_ylabel("validation accuracy (greedy)")
-    axes.set_title(title)
+    axes.set_title(title, fontsize=8)
     axes.legend(fontsize=7)
     figure.tight_layout()
     save_png(figure, Path(path), dpi=110)
