@@ -75,3 +75,31 @@ def test_plain_numerals_agree_with_math_verify(answer: str, gold: str) -> None:
     from math_verify import parse, verify
 
     assert math_equal(answer, gold) is bool(verify(parse(f"${gold}$"), parse(f"${answer}$")))
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "898898888899899E9989999user991",  # a collapsed policy's answer that hung sympy for 20 minutes
+        "10^{99999}",
+        "2^{2^{2^{2^{2^{2}}}}}",
+        "1" + "+1" * 400,
+    ],
+)
+def test_answers_math_verify_could_hang_on_are_wrong_without_parsing(
+    answer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's output must never hang a run: answers far longer than the gold, with more nested
+    powers, or with an exponent of 1,000 or more are wrong before math-verify sees them."""
+    import math_verify
+
+    def refuse(*_: object, **__: object) -> object:
+        raise AssertionError("math-verify was asked to parse a pathological answer")
+
+    monkeypatch.setattr(math_verify, "parse", refuse)
+    assert math_equal(answer, "9") is False
+
+
+def test_large_exponents_still_compare_when_the_gold_has_one() -> None:
+    assert math_equal("2^{10}", "1024") is True
+    assert math_equal("10^{1000}", "10^{1000}") is True  # the gold has such an exponent: parsed
