@@ -80,6 +80,8 @@ def over_seeds(summaries: list[dict[str, Any]], names: list[str], seeds: int) ->
                 "routing_disagreement": column("routing_disagreement"),
                 "clip_fraction": column("clip_fraction"),
                 "sat_gate_rate": column("sat_gate_rate"),
+                "sat_active_rate": column("sat_active_rate"),
+                "mean_ws": column("mean_ws"),
             }
         )
     columns = [
@@ -94,6 +96,8 @@ def over_seeds(summaries: list[dict[str, Any]], names: list[str], seeds: int) ->
         ("routing_disagreement", "routing disagreement"),
         ("clip_fraction", "clip fraction"),
         ("sat_gate_rate", "SAT gate rate"),
+        ("sat_active_rate", "SAT changed the loss (share)"),
+        ("mean_ws", "mean WS"),
     ]
     return markdown_table(rows, columns)
 
