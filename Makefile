@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,ray]'
 	touch $(STAMP)
 
-# The main job: the default `pacerl train` (teacher SFT warm start, then async SAT-GSPO + PACE + R3 on
+# The main job: the default `pacerl train` (clean-then-teacher SFT warm start, then async SAT-GSPO + PACE + R3 on
 # pacerl/CodeMath-v0 with the local sandbox), in a fresh run directory each time.
 demo: $(STAMP)
 	$(BIN)/pacerl train run_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
