@@ -258,7 +258,7 @@ def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:
     assert trained.returncode == 0, trained.stderr
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["env"]["id"] == "pacerl/CodeMath-v0" and saved["sft"]["style"] == "auto"
-    assert "SFT warm start (teacher, 4 steps)" in trained.stderr
+    assert "SFT warm start (clean+teacher, 4 steps)" in trained.stderr
     assert (run_dir / "warm_start" / "config.json").is_file()
     assert (run_dir / "tokenizer" / "tokenizer.json").is_file()  # what a resume trains on (below)
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -267,7 +267,9 @@ def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:
     assert [row["step"] for row in rows if "eval/heldout/accuracy" in row] == [0, 1, 2]
     assert sum(row.get("trajectories", 0) for row in rows if "reward" in row) >= 16
     assert (run_dir / "plots" / "reward.png").is_file() and (run_dir / "model" / "config.json").is_file()
-    assert "sft (teacher) step 1/4  loss" in trained.stderr  # the warm start shows its progress
+    # The warm start shows its progress, stage by stage: CodeMath's clean demonstrations, then the teacher's.
+    assert "sft (clean, stage 1/2) step 1/2  loss" in trained.stderr
+    assert "sft (teacher, stage 2/2) step 1/2  loss" in trained.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 2 and [e["step"] for e in summary["evaluations"]] == [0, 1, 2]
     first, last = summary["evaluations"][0]["eval/accuracy"], summary["evaluations"][-1]["eval/accuracy"]
@@ -289,7 +291,7 @@ def test_ctrl_c_during_the_warm_start_exits_cleanly(tmp_path: Path) -> None:
     seen = []
     for line in process.stderr:  # blocks until the first SFT step is logged
         seen.append(line)
-        if "sft (teacher) step 1/100000" in line:
+        if line.startswith("sft (") and " step 1/" in line:  # the first step of the first stage
             break
     assert process.poll() is None, "".join(seen)
     process.send_signal(signal.SIGINT)
