@@ -38,14 +38,7 @@ from common import (
     time_to_reach,
     write_results,
 )
-
-ARMS = {
-    "sync": ({"loop.mode": "sync"}, "on-policy: generate on all GPUs, then train on all"),
-    "async": ({"loop.mode": "async", "filter.name": "none"}, "unfiltered async"),
-    "async+pace": ({"loop.mode": "async", "filter.name": "pace"}, "PACE: effective-staleness rejection"),
-    "async+max_age": ({"loop.mode": "async", "filter.name": "max_age"}, "hard age cap (prime-rl, NeMo)"),
-    "async+admission": ({"loop.mode": "async", "filter.name": "admission"}, "AReaL's capacity gate"),
-}
+from pace import ARMS  # the same five arms as the CPU-clock comparison
 
 
 def over_seeds(summaries: list[dict[str, Any]], arms: list[str], seeds: int) -> str:

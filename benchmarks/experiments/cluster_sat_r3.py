@@ -37,24 +37,9 @@ from common import (
     warm_start,
     write_results,
 )
+from sat_r3 import arms  # the same eight arms as the CPU-clock comparison
 
 ENV = "pacerl/Math-v0"
-
-
-def arms(lags: list[int]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    found = []
-    for lag in lags:
-        for loss, sat in (("gspo", False), ("sat-gspo", True)):
-            for r3 in (False, True):
-                name = f"{loss}{'+r3' if r3 else ''}-lag{lag}"
-                overrides = {
-                    "learner.loss.name": "gspo",
-                    "learner.loss.sat": sat,
-                    "learner.routing_replay": r3,
-                    "loop.sync_interval": lag,
-                }
-                found.append((name, overrides, {"lag": lag, "loss": loss, "r3": r3}))
-    return found
 
 
 def over_seeds(summaries: list[dict[str, Any]], names: list[str], seeds: int) -> str:
