@@ -4,6 +4,8 @@ the engine, learner, driver and pool wired into a `trainer.loop.Run`, and the ba
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import logging
 import random
@@ -27,6 +29,8 @@ from envs import Task, ToolEnv, load_tasks
 from envs.registry import env_class, registered_kwargs
 from pacerl.config import ConfigError, RunConfig
 from pacerl.display import ProgressDisplay
+from pacerl.parallel import start_learner
+from trainer.distributed import LearnerGroup
 from trainer.evaluator import BackgroundEvaluator
 from trainer.learner import Learner, LearnerLike
 from trainer.loop import Run
@@ -136,7 +140,13 @@ def build_run(
     else:
         engine_seed = replicate_seed(config.engine.seed, config.seed)
         engine = EmbeddedEngine(build_twin(model), tokenizer, replace(config.engine, seed=engine_seed))
-    if runtime is None:
+    group = None
+    if runtime is None and config.learner.parallel == "fsdp":
+        group = start_learner(
+            model, config.learner, pad_id=int(tokenizer.pad_token_id or 0), threads=config.threads
+        )
+        learner = group
+    elif runtime is None:
         learner = Learner(model, config.learner, pad_id=int(tokenizer.pad_token_id or 0))
     driver = RolloutDriver(engine, tokenizer, make_episode, config.rollout, num_experts=num_experts(model))
     run = Run(
@@ -150,7 +160,17 @@ def build_run(
     )
     if runtime is not None:
         runtime.attach(run)
+    if group is not None:
+        run.on_release.append(functools.partial(_release_ranks, group, model))
     return run
+
+
+async def _release_ranks(group: LearnerGroup, model: Any) -> None:
+    """Copy the trained weights into `model` (what the run saves), then stop the learner's ranks."""
+    try:
+        model.load_state_dict(await asyncio.to_thread(group.weights))
+    finally:
+        await asyncio.to_thread(group.close)
 
 
 def replicate_seed(own: int, run_seed: int) -> int:

@@ -36,6 +36,7 @@ from pacerl.assembly import (
 from pacerl.config import ConfigError, RunConfig, load_config, save_config
 from pacerl.display import StepDisplay
 from pacerl.lab.emulated import clock_config, train_emulated
+from pacerl.parallel import is_learner_rank, serve_rank
 from pacerl.plots import plot_run
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.loop import Run, train_async, train_sync
@@ -51,6 +52,9 @@ async def train(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     `resume`). Ctrl-C or SIGTERM saves a checkpoint and returns early. What the env's tools need is
     started for the run (`ToolEnv.services`: the Search env's retriever unless `env.retriever_url` names
     one)."""
+    if config.learner.parallel == "fsdp" and config.runtime != "ray" and is_learner_rank():
+        serve_rank()  # a torchrun rank > 0: rank 0 runs the run, this rank holds a shard of the learner
+        return {}
     if config.engine_backend == "openai":
         raise ConfigError(
             "config: engine_backend=openai serves evaluation only (`pacerl eval`): a chat-completions server "

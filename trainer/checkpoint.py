@@ -1,10 +1,11 @@
 """Checkpoints that a SIGKILL cannot corrupt: each one is written into a temporary directory, flushed,
 then renamed into place, and `latest` names the newest complete one (also replaced by a rename).
 
-A checkpoint holds the learner (model, optimizer, version, skip counts) in `learner.pt` and everything
-else as JSON in `state.json`: the loop's step, the data cursor, the pool, the in-flight partial
-rollouts with their version tags, and the RNG states. What the loop stores in `state` is its business;
-this module only writes, finds and reads checkpoints.
+A checkpoint holds what the learner writes into it (`Learner.save`: model, optimizer and reference
+shards written with torch.distributed.checkpoint, which any number of ranks reads back, plus version
+and skip counts) and everything else as JSON in `state.json`: the loop's step, the data cursor, the
+pool, the in-flight partial rollouts with their version tags, and the RNG states. What the loop stores
+in `state` is its business; this module only writes, finds and reads checkpoints.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -28,17 +30,16 @@ class Checkpoint:
     """A checkpoint read back from disk."""
 
     path: Path
-    """Its directory."""
-    learner: dict[str, Any]
-    """What `Learner.state_dict()` returned."""
+    """Its directory (`Learner.load` reads the learner's part from it)."""
     state: dict[str, Any]
     """The loop's JSON state."""
 
 
 def save_checkpoint(
-    directory: Path, step: int, learner: dict[str, Any], state: dict[str, Any], *, keep: int = 2
+    directory: Path, step: int, save_learner: Callable[[Path], None], state: dict[str, Any], *, keep: int = 2
 ) -> Path:
-    """Write checkpoint `step` under `directory` atomically and keep the newest `keep` of them."""
+    """Write checkpoint `step` under `directory` atomically and keep the newest `keep` of them;
+    `save_learner` writes the learner's part into the checkpoint's (not yet visible) directory."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     directory.mkdir(parents=True, exist_ok=True)
@@ -46,7 +47,7 @@ def save_checkpoint(
     scratch = directory / f".step-{step:07d}.partial"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
-    torch.save(learner, scratch / "learner.pt")
+    save_learner(scratch)
     full_state = {**state, "step": step, "rng": rng_state()}
     (scratch / "state.json").write_text(json.dumps(full_state, allow_nan=False), encoding="utf-8")
     _fsync_tree(scratch)
@@ -72,12 +73,12 @@ def load_checkpoint(path: Path) -> Checkpoint:
     """Read a checkpoint; a missing or corrupt one raises ValueError naming the file."""
     try:
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
-        learner = torch.load(path / "learner.pt", weights_only=False)
-    except (OSError, ValueError, RuntimeError, EOFError) as error:
+    except (OSError, ValueError) as error:
         raise ValueError(f"checkpoint {path} is unreadable ({error}); resume from another one") from error
-    if not isinstance(state, dict) or "step" not in state or not isinstance(learner, dict):
+    has_learner = (path / "learner.json").is_file() or (path / "learner.pt").is_file()
+    if not isinstance(state, dict) or "step" not in state or not has_learner:
         raise ValueError(f"checkpoint {path} is incomplete; resume from another one")
-    return Checkpoint(path, learner, state)
+    return Checkpoint(path, state)
 
 
 def rng_state() -> dict[str, Any]:
@@ -116,8 +117,11 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _fsync_tree(directory: Path) -> None:
-    for file in directory.iterdir():
-        with file.open("rb") as handle:
+    for entry in directory.iterdir():
+        if entry.is_dir():
+            _fsync_tree(entry)
+            continue
+        with entry.open("rb") as handle:
             os.fsync(handle.fileno())
     descriptor = os.open(directory, os.O_RDONLY)
     try:

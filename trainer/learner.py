@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 import random
 import time
@@ -42,15 +43,26 @@ import typing
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from agents.models import check_replay_support, moe_info
 from agents.trajectory import Trajectory
 from trainer.advantages import dr_grpo_advantages, grpo_advantages, reinforce_pp_baseline_advantages
 from trainer.batch import TokenBatch, collate, forward_logprobs
+from trainer.distributed import MixedPrecision, Ranks, is_sharded, shard
 from trainer.losses import (
     ClipConfig,
     LossOutput,
@@ -75,6 +87,10 @@ _PER_UNIT = ("clip_fraction", "sat_gate_rate", "sat_active_rate", "sat_contracti
 _FIRST_PASS = ("mismatch", "mismatch_fresh", "routing_disagreement", "r3_coverage")
 """Engine-vs-trainer figures from the first epoch (each trajectory once), weighted by tokens."""
 LOSSES: tuple[LossName, ...] = typing.get_args(LossName)
+LEARNER_SHARDS = "learner"
+"""The directory of a checkpoint that holds the learner's torch.distributed.checkpoint shards."""
+LEARNER_META = "learner.json"
+"""The file of a checkpoint that holds the learner's version and skip counts."""
 ADVANTAGES: tuple[AdvantageName, ...] = ("grpo", "dr_grpo", "reinforce_pp")
 
 
@@ -353,6 +369,15 @@ class LearnerConfig:
     larger by sqrt(G/(G-1)), 1.155× at G=4; choose it to compare with their runs)."""
     drop_zero_advantage: bool = True
     """Leave out groups whose rewards are all equal (they carry no signal)."""
+    parallel: Literal["none", "fsdp"] = "none"
+    """none: one process holds the model; fsdp: `world_size` ranks each hold a shard of the parameters,
+    gradients and optimizer state (PyTorch FSDP2, `trainer.distributed`) and share every update's
+    micro-batches; the update equals one process's."""
+    world_size: int = 1
+    """Ranks of `parallel=fsdp` (`pacerl train` starts them; under torchrun, its WORLD_SIZE)."""
+    mixed_precision: MixedPrecision = "auto"
+    """fsdp's compute precision: bf16 (fp32 master weights and gradient reduction), fp32, or auto (bf16 on
+    GPU, fp32 on CPU)."""
 
     def __post_init__(self) -> None:
         if self.advantage not in ADVANTAGES:
@@ -365,6 +390,13 @@ class LearnerConfig:
             raise ValueError(f"advantage_std must be population or unbiased, got {self.advantage_std!r}")
         if not all(0 <= beta < 1 for beta in self.betas) or self.weight_decay < 0:
             raise ValueError(f"betas must lie in [0, 1) and weight_decay >= 0, got {self.betas}")
+        _check_choice("parallel", self.parallel, ("none", "fsdp"))
+        _check_choice("mixed_precision", self.mixed_precision, ("auto", "bf16", "fp32"))
+        if self.world_size < 1 or (self.parallel == "none" and self.world_size != 1):
+            raise ValueError(
+                f"world_size must be >= 1, and 1 unless parallel=fsdp; got {self.world_size} with "
+                f"parallel={self.parallel}"
+            )
 
 
 @dataclass(frozen=True)
@@ -387,12 +419,16 @@ class StepResult:
 
 class LearnerLike(Protocol):
     """What the training loop needs of a learner: a `Learner` in this process, or a handle on one that
-    runs elsewhere (a Ray actor, `pacerl.ray_runtime.learner.RemoteLearner`)."""
+    runs elsewhere (a Ray actor, `pacerl.ray_runtime.learner.RemoteLearner`) or across ranks
+    (`trainer.distributed.LearnerGroup`)."""
 
-    version: int
-    """Updates applied so far."""
-    counts: Counter[str]
-    """Skips and leave-outs by reason."""
+    @property
+    def version(self) -> int:
+        """Updates applied so far."""
+
+    @property
+    def counts(self) -> Counter[str]:
+        """Skips and leave-outs by reason."""
 
     def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> StepResult: ...
 
@@ -400,9 +436,9 @@ class LearnerLike(Protocol):
 
     def weights(self) -> Mapping[str, torch.Tensor]: ...
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def save(self, directory: Path) -> None: ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load(self, directory: Path) -> None: ...
 
 
 @dataclass
@@ -434,20 +470,27 @@ class _Totals:
 class Learner:
     """Owns the trained model and its optimizer; `version` counts the updates made."""
 
-    def __init__(self, model: nn.Module, config: LearnerConfig | None = None, *, pad_id: int = 0) -> None:
-        self.model = model
+    def __init__(
+        self,
+        model: nn.Module,
+        config: LearnerConfig | None = None,
+        *,
+        pad_id: int = 0,
+        ranks: Ranks | None = None,
+    ) -> None:
         self.config = config or LearnerConfig()
         self.pad_id = pad_id
+        sharded = self.config.parallel == "fsdp"
+        self.ranks = ranks if ranks is not None else Ranks.of_default_group() if sharded else Ranks()
+        """This rank's place among the learner's ranks (rank 0 of 1 unless `parallel=fsdp`)."""
+        if sharded and self.ranks.size != self.config.world_size:
+            raise ValueError(
+                f"learner.world_size is {self.config.world_size} but {self.ranks.size} ranks joined"
+            )
         self.version = 0
         """Updates applied so far: the policy version of the weights now in `model`."""
         self.counts: Counter[str] = Counter()
         """Skips and leave-outs by reason (see the module docstring)."""
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=self.config.lr,
-            betas=self.config.betas,
-            weight_decay=self.config.weight_decay,
-        )
         if self.config.routing_replay:  # an MoE R3 cannot replay fails here, not after the first rollouts
             check_replay_support(model)
         try:
@@ -455,7 +498,20 @@ class Learner:
             self._layers, self._top_k = info.num_layers, info.top_k
         except ValueError:  # a dense model: nothing to replay
             self._layers, self._top_k = 0, 0
-        self.reference = self._frozen_copy() if self.config.loss.kl_coef > 0 else None
+        # The reference is copied before sharding and sharded like the model (its own FSDP units).
+        self.reference = _frozen_copy(model) if self.config.loss.kl_coef > 0 else None
+        if sharded:
+            shard(model, self.config.mixed_precision)
+            if self.reference is not None:
+                shard(self.reference, self.config.mixed_precision)
+        self.model = model
+        # After sharding: the optimizer holds the shards (DTensors), not the full parameters.
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=self.config.lr,
+            betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
+        )
 
     # -- training -------------------------------------------------------------------------------------
 
@@ -490,6 +546,8 @@ class Learner:
                     grad_norms.append(grad_norm)
         finally:
             self.model.eval()
+        if self.ranks.size > 1:  # each rank added up its own micro-batches
+            totals = _Totals(self.ranks.sum_floats(totals.sums), self.ranks.sum_floats(totals.weights))
         if not grad_norms:
             return StepResult(False, skips[0], metrics, ids)
         self.version += 1
@@ -577,14 +635,18 @@ class Learner:
     def _proximal(self, prepared: _Prepared) -> list[torch.Tensor]:
         """Log-probs of every trajectory's targets under the weights before the first update, `[T-1]`
         each (a no-grad pass over the whole batch, in micro-batches)."""
-        rows: list[torch.Tensor] = []
-        size = self.config.micro_batch_size
-        for start in range(0, len(prepared.trajectories), size):
+        size, count = self.config.micro_batch_size, len(prepared.trajectories)
+        rows: dict[int, torch.Tensor] = {}
+        for start, mine in self.ranks.share(range(0, count, size)):
             trajectories = prepared.trajectories[start : start + size]
-            batch = self.collate(trajectories)
-            logprobs, _, _ = self._forward(batch)
-            rows += [logprobs[row, : len(t.tokens) - 1] for row, t in enumerate(trajectories)]
-        return rows
+            logprobs, _, _ = self._forward(self.collate(trajectories))
+            if mine:
+                rows.update(
+                    {start + row: logprobs[row, : len(t.tokens) - 1] for row, t in enumerate(trajectories)}
+                )
+        if self.ranks.size > 1:
+            rows = {index: row for part in self.ranks.gather(rows) for index, row in part.items()}
+        return [rows[index] for index in range(count)]
 
     def _forward(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
         return forward_logprobs(
@@ -607,13 +669,22 @@ class Learner:
         unit = mean_unit(cfg.name, cfg.aggregation)
         tokens = sum(t.num_model_tokens for t in trajectories)
         denominator = float(tokens if unit == "token" else len(trajectories))
-        # Collated once: SAT's quantile pass and the training pass read the same batches.
-        batches = [self.collate([prepared.trajectories[i] for i in chunk]) for chunk in chunks]
-        threshold = self._sat_threshold(chunks, batches, proximal, moved)
+        # This rank's micro-batches (all of them in one process), collated once: SAT's quantile pass and
+        # the training pass read the same batches.
+        mine = self.ranks.share(chunks)
+        batches = [self.collate([prepared.trajectories[i] for i in chunk]) for chunk, _ in mine]
+        threshold = self._sat_threshold(len(chunks), mine, batches, proximal, moved)
         self.optimizer.zero_grad(set_to_none=True)
-        for chunk, batch in zip(chunks, batches, strict=True):
+        for (chunk, counted), batch in zip(mine, batches, strict=True):
             reason = self._accumulate(
-                prepared, chunk, batch, proximal, (denominator, tokens, threshold), first_epoch, totals
+                prepared,
+                chunk,
+                batch,
+                proximal,
+                (denominator, tokens, threshold),
+                first_epoch,
+                totals,
+                counted,
             )
             if reason:
                 return reason, 0.0
@@ -625,29 +696,33 @@ class Learner:
 
     def _sat_threshold(
         self,
-        chunks: list[list[int]],
+        count: int,
+        mine: list[tuple[list[int], bool]],
         batches: list[TokenBatch],
         proximal: list[torch.Tensor] | None,
         moved: bool,
     ) -> torch.Tensor | None:
-        """SAT's quantile over the whole mini-batch at the current weights; None when one micro-batch
-        holds it (the loss then takes its own) or SAT is off."""
+        """SAT's quantile over the whole mini-batch (`count` micro-batches, this rank's `mine`, every
+        rank's values) at the current weights; None when one micro-batch holds it (the loss then takes its
+        own) or SAT is off."""
         cfg, sat = self.config.loss, _sat(self.config.loss)
-        if sat is None or cfg.name == "gmc" or len(chunks) < 2:
+        if sat is None or cfg.name == "gmc" or count < 2:
             return None
         values: list[torch.Tensor] = []
-        for chunk, batch in zip(chunks, batches, strict=True):
+        for (chunk, counted), batch in zip(mine, batches, strict=True):
             if proximal is not None and not moved:  # the weights of the proximal pass are these
                 current = _padded([proximal[i] for i in chunk], batch.loss_mask.shape)
             else:
                 with torch.no_grad():
                     current, _, _ = self._forward(batch)
             mask, behaviour = batch.loss_mask, batch.behaviour.to(current.dtype)
+            if not counted:
+                continue
             if cfg.name in ("gspo", "gspo_token"):
                 values.append(sequence_staleness(current, behaviour, mask)[mask.any(-1)])
             else:
                 values.append((current - behaviour)[mask])
-        staleness = torch.cat(values)
+        staleness = torch.cat([part for rank_values in self.ranks.gather(values) for part in rank_values])
         return sat_threshold(staleness, torch.ones_like(staleness, dtype=torch.bool), sat)
 
     def _accumulate(
@@ -659,14 +734,17 @@ class Learner:
         whole: tuple[float, int, torch.Tensor | None],
         first_epoch: bool,
         totals: _Totals,
+        counted: bool = True,
     ) -> str:
         """Forward and backward one micro-batch, its loss normalised by the whole mini-batch
         (`whole` = its loss denominator, its trainable tokens, SAT's threshold); returns a skip reason
-        or ""."""
+        or "" (the same on every rank). `counted` False: another rank's micro-batch run only so that
+        this rank enters the same collectives; its gradient is multiplied by 0 and its figures dropped."""
         denominator, update_tokens, threshold = whole
         logprobs, logits, stats = self._forward(batch)
         mask = batch.loss_mask
-        if not bool(torch.isfinite(logprobs[mask]).all()):
+        finite = bool(torch.isfinite(logprobs[mask]).all())
+        if self.ranks.agree("" if finite else "nonfinite_logprobs"):
             return "nonfinite_logprobs"
         advantages = torch.tensor([prepared.advantages[i] for i in chunk], dtype=logprobs.dtype)
         groups = torch.tensor([prepared.group_index[i] for i in chunk], dtype=torch.long)
@@ -682,7 +760,10 @@ class Learner:
         kl = self._kl(logprobs, batch)
         if kl is not None:
             loss = loss + self.config.loss.kl_coef * kl * share
-        torch.autograd.backward(loss)
+        # FSDP averages over ranks what is here a sum of the ranks' shares of one loss (see `shard`).
+        torch.autograd.backward(loss * (self.ranks.size if counted else 0.0))
+        if not counted:
+            return ""
         with torch.no_grad():
             # The shares' own entries: tokens (grpo, decoupled_ppo), sequences (gspo), groups (gmc).
             name = self.config.loss.name
@@ -805,11 +886,56 @@ class Learner:
     # -- weights and state ----------------------------------------------------------------------------
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The current weights to publish (detached views; the engine copies them)."""
+        """The current weights to publish (detached views; the engine copies them). Sharded: every rank
+        calls it, rank 0 gets the full tensors (on the CPU) and the others an empty dict."""
+        if is_sharded(self.model):
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            full = get_model_state_dict(self.model, options=options)
+            return {name: value for name, value in full.items() if isinstance(value, torch.Tensor)}
         return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
 
+    def save(self, directory: Path) -> None:
+        """Write model, optimizer (and reference) state with torch.distributed.checkpoint into
+        `directory`/learner, each rank its own shards, and version and counts into learner.json. A
+        checkpoint saved with any number of ranks loads with any other (`load`). Every rank calls it."""
+        dcp_save(self._dcp_state(), checkpoint_id=directory / LEARNER_SHARDS)
+        if self.ranks.rank == 0:
+            meta = {"version": self.version, "counts": dict(self.counts)}
+            (directory / LEARNER_META).write_text(json.dumps(meta), encoding="utf-8")
+
+    def load(self, directory: Path) -> None:
+        """The inverse of `save`, resharded to this learner's ranks; a checkpoint of runs before sharded
+        saves (one `learner.pt`) loads into an unsharded learner."""
+        legacy = directory / "learner.pt"
+        if not (directory / LEARNER_SHARDS).is_dir() and legacy.is_file() and not is_sharded(self.model):
+            self.load_state_dict(torch.load(legacy, weights_only=False))
+            return
+        state = self._dcp_state()
+        dcp_load(state, checkpoint_id=directory / LEARNER_SHARDS)
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        if self.reference is not None:
+            if "reference" not in state:
+                raise ValueError(f"{directory} holds no KL reference model, but learner.loss.kl_coef > 0")
+            set_model_state_dict(self.reference, state["reference"])
+        meta = json.loads((directory / LEARNER_META).read_text(encoding="utf-8"))
+        self.version = int(meta["version"])
+        self.counts = Counter(meta["counts"])
+
+    def _dcp_state(self) -> dict[str, Any]:
+        """The state torch.distributed.checkpoint saves and loads in place (this rank's shards)."""
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer}
+        if self.reference is not None:
+            state["reference"] = get_model_state_dict(self.reference)
+        return state
+
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer, version and counts (for checkpoints)."""
+        """Model, optimizer, version and counts of an unsharded learner, in memory (`save` writes a
+        checkpoint, sharded or not)."""
+        if is_sharded(self.model):
+            raise RuntimeError("a sharded learner's state is saved with `save`, each rank its own shards")
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -827,11 +953,12 @@ class Learner:
         if self.reference is not None and state.get("reference") is not None:
             self.reference.load_state_dict(state["reference"])
 
-    def _frozen_copy(self) -> nn.Module:
-        reference = copy.deepcopy(self.model).eval()
-        for parameter in reference.parameters():
-            parameter.requires_grad_(False)
-        return reference
+
+def _frozen_copy(model: nn.Module) -> nn.Module:
+    reference = copy.deepcopy(model).eval()
+    for parameter in reference.parameters():
+        parameter.requires_grad_(False)
+    return reference
 
 
 def _padded(rows: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tensor:

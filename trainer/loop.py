@@ -356,7 +356,7 @@ class Run:
         return save_checkpoint(
             self.run_dir / "checkpoints",
             self.step,
-            self.learner.state_dict(),
+            self.learner.save,
             state,
             keep=self.config.keep_checkpoints,
         )
@@ -366,7 +366,7 @@ class Run:
         engine), optimizer, cursor, pool and the partial rollouts, which `produce` resumes first. Logs
         past the checkpoint are cut."""
         state = checkpoint.state
-        self.learner.load_state_dict(checkpoint.learner)
+        self.learner.load(checkpoint.path)
         restore_rng(state["rng"])
         self.step = int(state["step"])
         self.cursor.position = int(state["cursor"])

@@ -11,6 +11,8 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from agents.engine.embedded import EmbeddedEngineConfig
 from agents.rollout import EpisodeEnv
@@ -59,12 +61,14 @@ class RayRuntime:
         self.owns_ray = connect(spec)
         self.faults = FaultLog(run_dir / FAULT_LOG)
         self._started: list[Any] = []
+        self._placement: Any = None
         try:
             self._start(config, run_dir, tokenizer, make_env)
         except BaseException:  # leave nothing running behind a run that could not start
             for handle in self._started:
                 with quiet():
                     ray.kill(handle)
+            self._remove_placement()
             if self.owns_ray:
                 ray.shutdown()
             raise
@@ -77,24 +81,9 @@ class RayRuntime:
         recipe = ModelRecipe(type(model), model.config)
         embedded = config.engine_backend == "embedded"
         initial = ray.put({name: tensor.detach() for name, tensor in model.state_dict().items()})
-        self.trainer: Any = (
-            ray.remote(TrainerActor)
-            .options(
-                name=f"{prefix}:trainer",
-                num_cpus=spec.trainer_cpus,
-                num_gpus=spec.trainer_gpus,
-                max_restarts=0,
-            )
-            .remote(
-                recipe,
-                initial,
-                config.learner,
-                int(tokenizer.pad_token_id or 0),
-                _threads(spec.trainer_cpus),
-                config.seed,
-            )
-        )
-        self._started.append(self.trainer)
+        trainers = self._start_trainers(config, prefix, recipe, initial, int(tokenizer.pad_token_id or 0))
+        self.trainer: Any = trainers[0]
+        """Rank 0's trainer actor (the only one unless `learner.parallel = "fsdp"`)."""
         engine_specs = _engine_specs(config, run_dir, recipe, tokenizer)
 
         def spawn_engine(slot: Slot, weights: Any = None, version: int = -1) -> Any:
@@ -135,9 +124,12 @@ class RayRuntime:
             slot.handle = spawn_worker(slot)
         if worker_slots:
             self.workers = Supervisor("env_worker", worker_slots, spawn_worker, _nothing, spec, self.faults)
-        self._wait_started([self.trainer, *(s.handle for s in engines + worker_slots)])
+        self._wait_started([*trainers, *(s.handle for s in engines + worker_slots)])
+        if len(trainers) > 1:  # the ranks form their group together, each building its shard
+            address = ray.get(trainers[0].group_address.remote())
+            ray.get([t.join_learner_group.remote(address, rank) for rank, t in enumerate(trainers)])
         ray.get([slot.handle.sync.remote(None, 0) for slot in engines])  # serve the initial weights
-        self.learner = RemoteLearner(self.trainer, run_dir)
+        self.learner = RemoteLearner(trainers, run_dir)
         broadcast = self._open_broadcast(engines) if spec.weight_sync == "broadcast" else None
         self.engine = EngineRouter(supervisor, self.faults, self.trainer, initial, 0, broadcast)
         workers = self.workers
@@ -161,8 +153,10 @@ class RayRuntime:
             await self.engine.aclose()
             if self.workers is not None:
                 await self.workers.aclose()
-            with quiet():
-                ray.kill(self.trainer)
+            for trainer in self.learner.handles:
+                with quiet():
+                    ray.kill(trainer)
+            self._remove_placement()
             if self.owns_ray:
                 ray.shutdown()
 
@@ -176,6 +170,48 @@ class RayRuntime:
             ) from None
         except RayActorError as error:
             raise RuntimeError(f"an actor of the run failed to start: {brief(error)}") from None
+
+    def _start_trainers(
+        self, config: RunConfig, prefix: str, recipe: ModelRecipe, initial: Any, pad_id: int
+    ) -> list[Any]:
+        """The trainer actor, or with `learner.parallel = "fsdp"` one per rank, packed into one
+        placement group (each bundle the CPUs and GPUs of `ray.trainer_cpus` and `ray.trainer_gpus`)."""
+        spec, ranks = self.spec, config.learner.world_size
+        options: dict[str, Any] = {
+            "num_cpus": spec.trainer_cpus,
+            "num_gpus": spec.trainer_gpus,
+            "max_restarts": 0,
+        }
+        strategies: list[dict[str, Any]] = [{} for _ in range(ranks)]
+        if config.learner.parallel == "fsdp":
+            bundle = {"CPU": spec.trainer_cpus} | ({"GPU": spec.trainer_gpus} if spec.trainer_gpus else {})
+            group = placement_group([bundle] * ranks, strategy="PACK")
+            self._placement = group  # removed when the run is released
+            strategies = [
+                {
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        group, placement_group_bundle_index=i
+                    )
+                }
+                for i in range(ranks)
+            ]
+        trainers = []
+        for rank, strategy in enumerate(strategies):
+            name = f"{prefix}:trainer" + (f"-{rank}" if rank else "")
+            handle = (
+                ray.remote(TrainerActor)
+                .options(name=name, **options, **strategy)
+                .remote(recipe, initial, config.learner, pad_id, _threads(spec.trainer_cpus), config.seed)
+            )
+            self._started.append(handle)
+            trainers.append(handle)
+        return trainers
+
+    def _remove_placement(self) -> None:
+        if self._placement is not None:
+            with quiet():
+                remove_placement_group(self._placement)
+            self._placement = None
 
     def _open_broadcast(self, engines: list[Slot]) -> list[WeightSpec]:
         """Form the torch.distributed group trainer (rank 0) + replicas; the tensors a broadcast sends."""

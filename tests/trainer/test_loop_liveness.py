@@ -9,6 +9,7 @@ into a test failure by a generous bound on the wait (`HANG_S`); no assertion dep
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -78,11 +79,11 @@ class FakeLearner:
     def weights(self) -> Mapping[str, torch.Tensor]:
         return {}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version}
+    def save(self, directory: Path) -> None:
+        (directory / "learner.json").write_text(json.dumps({"version": self.version}), encoding="utf-8")
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.version = int(state["version"])
+    def load(self, directory: Path) -> None:
+        self.version = int(json.loads((directory / "learner.json").read_text(encoding="utf-8"))["version"])
 
 
 class FakeDriver:
