@@ -346,6 +346,13 @@ class RunConfig:
                     "the new weights (reprefill); use runtime=local, engine_backend=embedded, "
                     "engine.interrupt=reprefill"
                 )
+        ranks = self.learner.world_size
+        if ranks > 1 and self.runtime == "ray" and self.ray.weight_sync == "broadcast":
+            raise ValueError(
+                f"ray.weight_sync=broadcast cannot serve a learner of {ranks} ranks: its ranks own "
+                "torch.distributed's default group, which the broadcast group would need; use "
+                "ray.weight_sync=object_store"
+            )
         sampled = self.rollout.sampling.temperature
         if sampled <= 0:
             raise ValueError("rollout.sampling.temperature must be > 0 (RL learns from sampled log-probs)")

@@ -33,6 +33,7 @@ were). Routes recorded for another model shape are a configuration error: ValueE
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -40,8 +41,9 @@ import math
 import random
 import time
 import typing
+import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -898,7 +900,8 @@ class Learner:
         """Write model, optimizer (and reference) state with torch.distributed.checkpoint into
         `directory`/learner, each rank its own shards, and version and counts into learner.json. A
         checkpoint saved with any number of ranks loads with any other (`load`). Every rank calls it."""
-        dcp_save(self._dcp_state(), checkpoint_id=directory / LEARNER_SHARDS)
+        with _one_process_quietly():
+            dcp_save(self._dcp_state(), checkpoint_id=directory / LEARNER_SHARDS)
         if self.ranks.rank == 0:
             meta = {"version": self.version, "counts": dict(self.counts)}
             (directory / LEARNER_META).write_text(json.dumps(meta), encoding="utf-8")
@@ -911,7 +914,8 @@ class Learner:
             self.load_state_dict(torch.load(legacy, weights_only=False))
             return
         state = self._dcp_state()
-        dcp_load(state, checkpoint_id=directory / LEARNER_SHARDS)
+        with _one_process_quietly():
+            dcp_load(state, checkpoint_id=directory / LEARNER_SHARDS)
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
@@ -952,6 +956,15 @@ class Learner:
         self.counts = Counter(state["counts"])
         if self.reference is not None and state.get("reference") is not None:
             self.reference.load_state_dict(state["reference"])
+
+
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """torch.distributed.checkpoint warns each time it runs without a process group; one process is
+    the unsharded learner's normal case, not a mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _frozen_copy(model: nn.Module) -> nn.Module:

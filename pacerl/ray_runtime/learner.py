@@ -102,6 +102,13 @@ class TrainerActor:
     def save(self, directory: Path) -> None:
         self.learner.save(directory)
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.learner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[int, dict[str, int]]:
+        self.learner.load_state_dict(state)
+        return self.learner.version, dict(self.learner.counts)
+
     def load(self, directory: Path) -> tuple[int, dict[str, int]]:
         self.learner.load(directory)
         self._gather()
@@ -167,6 +174,14 @@ class RemoteLearner:
 
     def load(self, directory: Path) -> None:
         self.version, counts = self._call("load", directory)
+        self.counts = Counter(counts)
+
+    def state_dict(self) -> dict[str, Any]:
+        """An unsharded learner's state, in memory (`save` writes a checkpoint of any learner)."""
+        return self._call("state_dict")  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version, counts = self._call("load_state_dict", state)
         self.counts = Counter(counts)
 
     def _call(self, method: str, *args: Any) -> Any:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,15 +67,24 @@ def test_training_raises_the_reward(warm_model: tuple[Path, Path], tmp_path: Pat
         assert max(row.get("staleness/mean_staleness", 0) for row in rows) > 0  # it really ran off-policy
 
 
+SHARDED = {"parallel": "fsdp", "world_size": 2}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("learner", "resumed_with"),
+    [({}, []), (SHARDED, ["learner.parallel=none", "learner.world_size=1"])],
+    ids=["one-process", "saved-by-2-ranks-resumed-by-1"],
+)
 def test_sigkill_and_resume_lose_no_trajectory_and_train_none_twice(
-    warm_model: tuple[Path, Path], tmp_path: Path
+    warm_model: tuple[Path, Path], tmp_path: Path, learner: dict[str, object], resumed_with: list[str]
 ) -> None:
     run_dir = tmp_path / "run"
     config = small_run(
         warm_model,
         run_dir,
         rollout={"group_size": 4},
+        learner=learner,
         loop={"steps": 10, "batch_groups": 4, "checkpoint_every": 2},
         filter={"pace": {"target_groups": 4}, "max_concurrent_groups": 6},
     )
@@ -94,6 +104,9 @@ def test_sigkill_and_resume_lose_no_trajectory_and_train_none_twice(
     assert first.poll() is None, first.stderr.read() if first.stderr else ""
     first.send_signal(signal.SIGKILL)
     first.wait()
+    if learner:  # the rank `pacerl train` started ends itself when its parent is gone
+        assert wait_until(lambda: not ranks_of(first.pid)), ranks_of(first.pid)
+        assert (latest_checkpoint(run_dir / "checkpoints") / "learner").is_dir()  # type: ignore[operator]
     killed_at = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))  # type: ignore[arg-type]
     running = [
         member
@@ -101,7 +114,9 @@ def test_sigkill_and_resume_lose_no_trajectory_and_train_none_twice(
         for member in entry["members"]
         if member["status"] == "running"
     ]
-    resumed = subprocess.run([*command, "--resume", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
+    resumed = subprocess.run(
+        [*command, "--resume", str(run_dir), *resumed_with], cwd=ROOT, capture_output=True, text=True
+    )
     assert resumed.returncode == 0, resumed.stderr
     batches = [json.loads(line) for line in (run_dir / "batches.jsonl").read_text().splitlines()]
     assert [b["step"] for b in batches] == list(range(1, 11))  # the killed run's extra steps were cut
@@ -124,6 +139,31 @@ def test_sigkill_and_resume_lose_no_trajectory_and_train_none_twice(
     assert all(count == 4 for count in by_group.values())
     # Records caught mid-episode by the checkpoint were resumed under their ids, not restarted.
     assert state["driver_counts"].get("resumed_from_checkpoint", 0) >= len(running) > 0
+
+
+def ranks_of(parent: int) -> list[int]:
+    """The learner ranks (`python -m pacerl.parallel`) that `pacerl train` process `parent` started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            command = (entry / "cmdline").read_bytes()
+        except OSError:  # not a process, or gone
+            continue
+        if b"pacerl.parallel" in command and f"PACERL_PARENT_PID={parent}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until(condition: Callable[[], bool], limit: float = 60.0) -> bool:
+    """Poll `condition` until it holds (True) or `limit` seconds pass (False): a bound on a hang, not a
+    speed test."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
 
 
 @pytest.mark.slow
