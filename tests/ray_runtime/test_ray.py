@@ -284,6 +284,46 @@ def test_a_dead_trainer_ends_the_run_with_a_checkpoint_to_resume(
     assert len(trained) == len(set(trained))
 
 
+@pytest.mark.slow
+def test_a_trainer_group_trains_one_fsdp_learner_over_its_ranks(
+    cluster: None, warm_model: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """learner.world_size=2 on Ray: two trainer actors in a placement group, one per rank, each holding
+    half the model; the driver, pool and engine see one learner, and the checkpoint holds both shards."""
+    run_dir = tmp_path / "group"
+    settings = small_run(
+        warm_model,
+        run_dir,
+        runtime="ray",
+        ray={"num_engine_replicas": 1, "num_env_workers": 0},
+        learner={"parallel": "fsdp", "world_size": 2},
+        evaluation={"every": 0},
+        loop={"steps": 4, "checkpoint_every": 4},
+    )
+    seen: list[list[str]] = []
+
+    def watch() -> None:
+        """The named actors while the run trains (rank 1 has its own)."""
+        while not (run_dir / "batches.jsonl").exists():
+            time.sleep(0.05)
+        seen.append(sorted(name.rsplit(":", 1)[-1] for name in ray.util.list_named_actors()))
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    summary = asyncio.run(train(config_from_dict(settings)))
+    thread.join(timeout=30)
+    assert summary["step"] == 4 and summary["version"] >= 1 and summary["faults"] == {}
+    assert seen and {"trainer", "trainer-1", "engine-0"} <= set(seen[0])
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    assert checkpoint is not None
+    assert len(list((checkpoint / "learner").glob("*.distcp"))) == 2  # one file per rank
+    trained, _ = load_model(run_dir / "model")  # the full weights, gathered from both ranks
+    warm, _ = load_model(warm_model[0])
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), warm.parameters(), strict=True))
+    assert not actors_left()
+    assert all(group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())
+
+
 def test_ray_settings_are_checked_at_load() -> None:
     with pytest.raises(ConfigError, match=r"runtime: Input should be 'local' or 'ray'"):
         load_config(None, ["runtime=cluster"])
@@ -291,6 +331,9 @@ def test_ray_settings_are_checked_at_load() -> None:
         load_config(None, ["runtime=ray", "engine_backend=sglang", "model.path=m"])
     with pytest.raises(ConfigError, match=r"nccl needs ray\.engine_gpus"):
         load_config(None, ["ray.weight_sync=broadcast"])
+    with pytest.raises(ConfigError, match=r"weight_sync=broadcast cannot serve a learner of 2 ranks"):
+        group = ["learner.parallel=fsdp", "learner.world_size=2", "ray.broadcast_backend=gloo"]
+        load_config(None, ["runtime=ray", "ray.weight_sync=broadcast", *group])
     assert load_config(None, ["runtime=ray", "ray.num_engine_replicas=3"]).ray.num_engine_replicas == 3
 
 
