@@ -242,6 +242,8 @@ def main_train(config_path: str | None, overrides: list[str], resume: str | None
         config = load_config(config_path, overrides)
     try:
         summary = asyncio.run(train(config, resume=resume is not None))
+        if not summary:  # a learner rank > 0 of a torchrun launch: rank 0 reports
+            return 0
     except WarmStartInterruptedError as stopped:
         print(
             f"pacerl train: {stopped}; nothing was checkpointed, run it again to start over", file=sys.stderr
