@@ -168,7 +168,8 @@ def build_run(
 async def _release_ranks(group: LearnerGroup, model: Any) -> None:
     """Copy the trained weights into `model` (what the run saves), then stop the learner's ranks."""
     try:
-        model.load_state_dict(await asyncio.to_thread(group.weights))
+        if not group.broken:  # else the run ends on the error that broke it, with its checkpoint
+            model.load_state_dict(await asyncio.to_thread(group.weights))
     finally:
         await asyncio.to_thread(group.close)
 

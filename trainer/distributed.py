@@ -16,6 +16,7 @@ through `LearnerGroup`, which first sends each call to the other ranks, so they 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import threading
@@ -147,6 +148,10 @@ Call = tuple[str, tuple[Any, ...], dict[str, Any]]
 STOP = "__stop__"
 
 
+class RanksLostError(RuntimeError):
+    """A rank of the learner died: the shards it held are gone, the run must resume a checkpoint."""
+
+
 class LearnerGroup:
     """Rank 0's learner when the learner spans ranks: each call is sent to ranks 1..N-1 first (they run
     `serve_learner`), then run here, so every rank enters the same collectives in the same order (calls
@@ -160,6 +165,8 @@ class LearnerGroup:
         self._processes = list(processes)
         self._turn = threading.Lock()
         self._closed = False
+        self.broken = False
+        """Set when a collective failed: the group can neither train nor gather any more."""
 
     def train_step(self, groups: Sequence[Sequence[Any]]) -> Any:
         return self._together("train_step", groups)
@@ -188,10 +195,33 @@ class LearnerGroup:
 
     def _together(self, name: str, *args: Any, **options: Any) -> Any:
         with self._turn:
-            if self._closed:
-                raise RuntimeError(f"{name}: the learner's ranks have been released")
-            send(self._ranks, (name, args, options))
-            return getattr(self._learner, name)(*args, **options)
+            if self._closed or self.broken:
+                raise RuntimeError(f"{name}: the learner's ranks have been released or lost")
+            try:
+                send(self._ranks, (name, args, options))
+                return getattr(self._learner, name)(*args, **options)
+            except RuntimeError as error:  # gloo and NCCL report a vanished peer as RuntimeError
+                lost = self._lost_ranks()
+                if not lost and not _from_a_collective(error):
+                    raise
+                self.broken = True
+                who = f"lost {', '.join(lost)}" if lost else "had a collective fail"
+                raise RanksLostError(
+                    f"the learner {who} during {name}; the shards of a lost rank are gone, so the run "
+                    f"stops: continue it from its latest checkpoint with `pacerl train --resume RUN_DIR` "
+                    f"({str(error).splitlines()[0][:200]})"
+                ) from None
+
+    def _lost_ranks(self) -> list[str]:
+        """The ranks this process started that have exited (a killed one may take a moment to be
+        reaped after its sockets closed, so each is given a few seconds)."""
+        lost = []
+        for rank, process in enumerate(self._processes, start=1):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=5.0)
+            if process.returncode is not None:
+                lost.append(f"rank {rank} (exit code {process.returncode})")
+        return lost
 
     @property
     def version(self) -> int:
@@ -215,8 +245,9 @@ class LearnerGroup:
                 return
             self._closed = True
             try:
-                send(self._ranks, (STOP, (), {}))
-                dist.destroy_process_group()
+                if not self.broken:  # a lost rank takes no call, and the others left with an error
+                    send(self._ranks, (STOP, (), {}))
+                    dist.destroy_process_group()
             finally:
                 for process in self._processes:
                     try:
@@ -224,6 +255,12 @@ class LearnerGroup:
                     except subprocess.TimeoutExpired:
                         process.kill()
                         process.wait()
+
+
+def _from_a_collective(error: RuntimeError) -> bool:
+    """Whether `error` came out of torch.distributed (a peer gone, a timeout), not the learner's code."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(mark in text for mark in ("gloo", "NCCL", "Connection"))
 
 
 def send(ranks: Ranks, call: Call) -> None:

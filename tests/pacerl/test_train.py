@@ -141,6 +141,27 @@ def test_sigkill_and_resume_lose_no_trajectory_and_train_none_twice(
     assert state["driver_counts"].get("resumed_from_checkpoint", 0) >= len(running) > 0
 
 
+@pytest.mark.slow
+def test_a_lost_learner_rank_ends_the_run_with_a_clear_error(
+    warm_model: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps(small_run(warm_model, run_dir, learner=SHARDED, loop={"steps": 200})))
+    run = subprocess.Popen(
+        [sys.executable, "-m", "pacerl", "train", "--config", str(config_file)],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert wait_until(lambda: (run_dir / "batches.jsonl").exists() or run.poll() is not None, 300)
+    (rank,) = ranks_of(run.pid)
+    os.kill(rank, signal.SIGKILL)
+    _, stderr = run.communicate(timeout=300)  # no hang: the next collective fails, and the run with it
+    assert run.returncode == 2
+    assert "the learner lost rank 1 (exit code -9)" in stderr and "--resume" in stderr, stderr
+
+
 def ranks_of(parent: int) -> list[int]:
     """The learner ranks (`python -m pacerl.parallel`) that `pacerl train` process `parent` started."""
     found = []
