@@ -38,6 +38,18 @@ github.com/sgl-project/sglang), these files of it:
   `Authorization: Bearer <key>`, else HTTP 401 `{"error": "Unauthorized"}`.
 - `python/sglang/srt/state_capturer/routed_experts.py`: routed experts `(prompt + completion − 1,
   layers, top_k)` int32, base64, only with the server flag (`enable_return_routed_experts` here).
+- Weights by broadcast: `http_server.py` (`/init_weights_update_group`,
+  `/update_weights_from_distributed`, `/destroy_weights_update_group`, each answering `{"success",
+  "message"}`, 400 when false; `/server_info` with the server args, `tp_size` among them), `io_struct.py`
+  (`InitWeightsUpdateGroupReqInput`, `UpdateWeightsFromDistributedReqInput`,
+  `DestroyWeightsUpdateGroupReqInput`), `managers/tokenizer_communicator_mixin.py` (an update waits as
+  the writer unless paused, like one from disk; `weight_version` is taken on success),
+  `model_executor/model_runner.py` (join as rank `rank_offset + tp_rank`; per name
+  `torch.empty(shape, dtype=getattr(torch, dtype))` received by `broadcast(src=0, async_op=True)` in
+  order, then all waited for and loaded; the messages) and `utils/common.py` (`init_custom_process_group`:
+  a `tcp://` rendezvous whose TCPStore rank 0 hosts, `PrefixStore(group_name)`, torch's
+  `_new_process_group_helper`, the group's ranks registered by hand). `join_weight_group` and
+  `receive_weights` below do the same steps; the stand-in is one tensor-parallel worker (`tp_size` 1).
 
 Deviations, each refused with HTTP 400 and a message rather than faked: one prompt per request (no
 batches), `input_ids` only (no `text`; pacerl never sends it), no streaming, no prompt log-probs
@@ -47,7 +59,13 @@ LoRA, penalties, `min_p`, `min_new_tokens`, `n > 1`, `max_new_tokens` 0; pause m
 outside the vocabulary are refused (SGLang would fail inside its kernels). The log-probs are the
 embedded engine's: those of the distribution sampled from, which under top-k/top-p truncation are
 renormalized, whereas SGLang's are taken before truncation. `/health_generate` answers at once
-instead of polling each second.
+instead of polling each second. Weights by broadcast: gloo only (the stand-in runs on CPU); `names`,
+`dtypes` and `shapes` of different lengths, a dtype torch does not name and a `load_format` are refused
+before anything is received (SGLang zips the lists, fails at the bad dtype after posting the earlier
+receives, and knows "flattened_bucket"); names and shapes that do not fit the model are refused after
+receiving and before any copy, so the old weights stay whole (SGLang loads as far as it gets and says
+the weights are partially updated); a missing group is refused with SGLang's message instead of
+failing the scheduler's assertion.
 """
 
 from __future__ import annotations
@@ -55,11 +73,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import datetime
 import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -68,6 +87,7 @@ import fastapi
 import numpy as np
 import pydantic
 import torch
+import torch.distributed as dist
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
@@ -167,6 +187,39 @@ class AbortBody(pydantic.BaseModel):
     abort_message: str | None = None
 
 
+class InitWeightsUpdateGroupBody(pydantic.BaseModel):
+    """SGLang's `InitWeightsUpdateGroupReqInput`."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedBody(pydantic.BaseModel):
+    """SGLang's `UpdateWeightsFromDistributedReqInput`."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    torch_empty_cache: bool = False
+    rid: str | None = None
+
+
+class DestroyWeightsUpdateGroupBody(pydantic.BaseModel):
+    """SGLang's `DestroyWeightsUpdateGroupReqInput`."""
+
+    group_name: str = "weight_update_group"
+    rid: str | None = None
+
+
 class PauseBody(pydantic.BaseModel):
     """SGLang's `PauseGenerationReqInput`."""
 
@@ -200,7 +253,12 @@ class _Server:
     TokenizerManager, the rids running, and the weight version names."""
 
     def __init__(
-        self, engine: EmbeddedEngine, model_path: str, weight_version: str, routed_experts: bool
+        self,
+        engine: EmbeddedEngine,
+        model_path: str,
+        weight_version: str,
+        routed_experts: bool,
+        group_timeout_s: float = 1800.0,
     ) -> None:
         self.engine = engine
         self.model_path = model_path
@@ -214,6 +272,9 @@ class _Server:
         self.writer = False
         self.running: set[str] = set()
         self.cond = asyncio.Condition()
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        """Weight groups joined, by name (SGLang's `_model_update_group`)."""
+        self.group_timeout_s = group_timeout_s
         self.vocab_size = int(engine.model.config.vocab_size)
         eos = engine.model.config.eos_token_id
         self.eos = {eos} if isinstance(eos, int) else set(eos or [])
@@ -261,7 +322,17 @@ class _Server:
             self.cond.notify_all()
 
     async def update_from_disk(self, body: UpdateWeightFromDiskBody) -> tuple[bool, str]:
-        if body.abort_all_requests:
+        return await self._as_writer(body.abort_all_requests, lambda: self._load(body))
+
+    async def update_from_distributed(self, body: UpdateWeightsFromDistributedBody) -> tuple[bool, str]:
+        return await self._as_writer(body.abort_all_requests, lambda: self._receive(body))
+
+    async def _as_writer(
+        self, abort_all: bool, update: Callable[[], Awaitable[tuple[bool, str]]]
+    ) -> tuple[bool, str]:
+        """Run a weight update as SGLang does: after aborting all if asked, and unless paused, as the
+        writer, once running requests are done, while new ones wait."""
+        if abort_all:
             await self.abort("", abort_all=True)
         async with self.cond:
             exclusive = not self.paused
@@ -269,12 +340,89 @@ class _Server:
                 await self.cond.wait_for(lambda: not self.writer and not self.readers)
                 self.writer = True
         try:
-            return await self._load(body)
+            return await update()
         finally:
             if exclusive:
                 async with self.cond:
                     self.writer = False
                     self.cond.notify_all()
+
+    async def init_group(self, body: InitWeightsUpdateGroupBody) -> tuple[bool, str]:
+        """Join the weight group as rank `rank_offset` (tp_rank 0), blocking until all ranks are in."""
+        if body.backend != "gloo":
+            return False, (
+                f"Failed to initialize custom process group: the pacerl stand-in runs on CPU and joins "
+                f"with gloo, not {body.backend!r}."
+            )
+        try:
+            group = await asyncio.to_thread(
+                join_weight_group,
+                body.master_address,
+                body.master_port,
+                body.rank_offset,
+                body.world_size,
+                body.group_name,
+                self.group_timeout_s,
+            )
+        except (RuntimeError, ValueError) as error:
+            return False, f"Failed to initialize custom process group: {error}."
+        self.groups[body.group_name] = group
+        return True, "Succeeded to initialize custom process group."
+
+    def destroy_group(self, body: DestroyWeightsUpdateGroupBody) -> tuple[bool, str]:
+        group = self.groups.pop(body.group_name, None)
+        if group is None:
+            return False, "The group to be destroyed does not exist."
+        dist.destroy_process_group(group)
+        return True, "Succeeded to destroy custom process group."
+
+    async def _receive(self, body: UpdateWeightsFromDistributedBody) -> tuple[bool, str]:
+        group = self.groups.get(body.group_name)
+        if group is None:
+            return False, (
+                f"Group {body.group_name} not in {list(self.groups)}. "
+                "Please call `init_weights_update_group` first."
+            )
+        if body.load_format is not None:
+            return False, f"load_format {body.load_format!r} is not supported by the pacerl stand-in"
+        if not len(body.names) == len(body.dtypes) == len(body.shapes):
+            return False, "names, dtypes and shapes must have one entry per tensor (the pacerl stand-in)"
+        for dtype in body.dtypes:
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                return False, f"Failed to update parameter online: module 'torch' has no attribute '{dtype}'."
+        try:
+            received = await asyncio.to_thread(receive_weights, group, body.names, body.dtypes, body.shapes)
+        except RuntimeError as error:
+            return False, f"Failed to update parameter online: {error}."
+        tensors = dict(received)
+        problems = self._misfits(tensors)
+        if problems:
+            return False, f"Failed to update parameter online: {'; '.join(problems[:5])}."
+        await self._install(tensors, body.weight_version)
+        message = "Succeeded to update parameter online."
+        if body.weight_version is not None:
+            message += f" Weight version updated to {body.weight_version}."
+        return True, message
+
+    def _misfits(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """What keeps `tensors` from loading into the model: unknown names, other shapes."""
+        own = self.engine.model.state_dict()
+        return [f"unknown parameter {name!r}" for name in tensors if name not in own] + [
+            f"{name}: shape {tuple(t.shape)} does not match {tuple(own[name].shape)}"
+            for name, t in tensors.items()
+            if name in own and own[name].shape != t.shape
+        ]
+
+    async def _install(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> None:
+        """Copy `tensors` into the model (cast to each parameter's dtype, as SGLang's loaders do) as
+        the engine's next version."""
+        number = _version_number(weight_version)
+        current = self.engine.version
+        new = number if number is not None and number > current else current + 1
+        await self.engine.update_weights(tensors, new)
+        if weight_version is not None:
+            self.weight_version = weight_version
+        self.names[new] = self.weight_version
 
     async def _load(self, body: UpdateWeightFromDiskBody) -> tuple[bool, str]:
         load_format = body.load_format or self.load_format
@@ -284,24 +432,13 @@ class _Server:
             tensors = await asyncio.to_thread(read_safetensors, Path(body.model_path))
         except (OSError, ValueError) as error:
             return False, f"Failed to get weights iterator: {error}."
-        own = self.engine.model.state_dict()
-        problems = [f"unknown parameter {name!r}" for name in tensors if name not in own] + [
-            f"{name}: shape {tuple(t.shape)} does not match {tuple(own[name].shape)}"
-            for name, t in tensors.items()
-            if name in own and own[name].shape != t.shape
-        ]
+        problems = self._misfits(tensors)
         if problems:
             # Checked before any copy, so a refused checkpoint leaves the old weights whole (as
             # SGLang's rollback does).
             listed = "; ".join(problems[:5])
             return False, f"Failed to update weights: {listed}.\nRolling back to original weights."
-        number = _version_number(body.weight_version)
-        current = self.engine.version
-        new = number if number is not None and number > current else current + 1
-        await self.engine.update_weights(tensors, new)
-        if body.weight_version is not None:
-            self.weight_version = body.weight_version
-        self.names[new] = self.weight_version
+        await self._install(tensors, body.weight_version)
         self.model_path = body.model_path
         self.load_format = load_format
         message = "Succeeded to update model weights."
@@ -404,6 +541,52 @@ class _Server:
             "model_type": getattr(config, "model_type", None),
             "architectures": getattr(config, "architectures", None),
         }
+
+
+def join_weight_group(
+    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float
+) -> dist.ProcessGroup:
+    """Join a gloo weight group as SGLang's `init_custom_process_group` does: a `tcp://` rendezvous
+    (a TCPStore client of rank 0's store), `PrefixStore(group_name)`, torch's own group helper, and
+    the group's ranks registered so that `dist.broadcast(..., group=)` maps rank 0."""
+    from torch.distributed.distributed_c10d import Backend, GroupName, _new_process_group_helper, _world
+    from torch.distributed.rendezvous import rendezvous
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)  # type: ignore[attr-defined]
+    group: dist.ProcessGroup
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend("gloo"),
+        store,
+        group_name=GroupName(group_name),
+        backend_options=None,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def receive_weights(
+    group: dist.ProcessGroup, names: list[str], dtypes: list[str], shapes: list[list[int]]
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive one broadcast from rank 0 per name, in order, as SGLang's model runner does: all
+    posted at once, then waited for."""
+    received, handles = [], []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+        handles.append(dist.broadcast(tensor, src=0, group=group, async_op=True))
+        received.append((name, tensor))
+    for handle in handles:
+        assert handle is not None
+        handle.wait()
+    return received
 
 
 def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -663,6 +846,7 @@ def create_standin_app(
     health_timeout_s: float = 20.0,
     close_on_shutdown: bool = True,
     api_key: str | None = None,
+    weight_group_timeout_s: float = 1800.0,
 ) -> fastapi.FastAPI:
     """The stand-in's ASGI app over `engine`, which it drives from the app's event loop.
 
@@ -670,9 +854,10 @@ def create_standin_app(
     model's config.json lets a client read the routed-experts layout from it); `weight_version` is
     SGLang's `--weight-version`; `enable_return_routed_experts` its `--enable-return-routed-experts`
     (without it, routed experts are left out of answers however a request asks, as SGLang does);
-    `api_key` its `--api-key`.
+    `api_key` its `--api-key`; `weight_group_timeout_s` bounds the weight group's joining and each
+    broadcast (SGLang: torch's default of 30 minutes).
     """
-    server = _Server(engine, model_path, weight_version, enable_return_routed_experts)
+    server = _Server(engine, model_path, weight_version, enable_return_routed_experts, weight_group_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: fastapi.FastAPI) -> AsyncIterator[None]:
@@ -757,6 +942,37 @@ def create_standin_app(
         success, message = await server.update_from_disk(body)
         content = {"success": success, "message": message, "num_paused_requests": 0}
         return JSONResponse(content, status_code=200 if success else 400)
+
+    @app.post("/init_weights_update_group", tags=["weights"])
+    async def init_weights_update_group(body: InitWeightsUpdateGroupBody) -> JSONResponse:
+        """Join the trainer's weight group (rank 0 is the trainer); answers once all ranks joined."""
+        success, message = await server.init_group(body)
+        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    @app.post("/update_weights_from_distributed", tags=["weights"])
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> JSONResponse:
+        """Receive the named tensors by broadcast from rank 0, in order, and load them."""
+        success, message = await server.update_from_distributed(body)
+        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    @app.post("/destroy_weights_update_group", tags=["weights"])
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupBody) -> JSONResponse:
+        """Leave a weight group."""
+        success, message = server.destroy_group(body)
+        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    @app.get("/server_info", tags=["info"])
+    async def server_info() -> dict[str, Any]:
+        """The part of SGLang's server args and scheduler info a client reads."""
+        return {
+            "model_path": server.model_path,
+            "tp_size": 1,
+            "pp_size": 1,
+            "dp_size": 1,
+            "enable_return_routed_experts": server.routed_experts,
+            "weight_version": server.weight_version,
+            "version": "0.5.23",
+        }
 
     @app.get("/health", tags=["health"])
     async def health() -> Response:

@@ -61,11 +61,21 @@ as `routed_experts_start_len`; the client sends it as SGLang's field of that nam
 rows start there (`Generation.routed_experts_start`), instead of repeating the whole prompt's rows on
 every turn.
 
-Weight updates go through disk: a state_dict is written as safetensors (plus the base model's config
-files) into `SGLangOptions.weights_dir`, then generation is paused with mode "abort" (or, on a server
-without `/pause_generation`, every request is aborted by the update itself), the server loads the
-directory, and generation continues. Each in-flight request comes back `FinishReason.ABORT` with the
-tokens it had; the rollout driver resumes it from those tokens as a new segment under the new version.
+Weight updates go through disk by default: a state_dict is written as safetensors (plus the base
+model's config files) into `SGLangOptions.weights_dir`, then generation is paused with mode "abort" (or,
+on a server without `/pause_generation`, every request is aborted by the update itself), the server
+loads the directory, and generation continues. Each in-flight request comes back `FinishReason.ABORT`
+with the tokens it had; the rollout driver resumes it from those tokens as a new segment under the new
+version.
+
+With `weight_transport="distributed"` the tensors go by torch.distributed broadcast instead (SGLang's
+path for GPU clusters; `agents.engine.weight_group` cites the server's side): once, this client hosts
+a rendezvous store, asks the server to join a group through it (`POST /init_weights_update_group`,
+the server's tensor-parallel workers taking ranks 1..tp_size) and forms the group as rank 0; then each
+publication pauses generation as above, announces names, dtypes and shapes
+(`POST /update_weights_from_distributed`) while broadcasting the tensors in that order, and continues.
+The group is never torch.distributed's default one. A publication whose broadcast broke off (a dead
+server, a timeout) discards the group; the next publication forms a new one under a new name.
 """
 
 from __future__ import annotations
@@ -73,17 +83,21 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
+import logging
 import math
 import os
 import re
 import shutil
+import socket
 import tempfile
+import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import httpx
 import numpy as np
@@ -91,6 +105,10 @@ import torch
 
 from agents.engine.embedded import ContextOverflowError
 from agents.engine.protocol import FinishReason, Generation, SamplingParams
+from agents.engine.weight_group import GroupBackend, WeightBroadcastGroup, describe
+
+_T = TypeVar("_T")
+_log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 32
 """SGLang's `MAX_STOP_COUNT`: more stop strings are refused by the server."""
@@ -172,6 +190,27 @@ class SGLangOptions:
     """Name of the environment variable holding the server's API key (SGLang's `--api-key`), sent
     with every request as `Authorization: Bearer <key>`; None: no key. Named but unset is an error
     when the client is built. The name, not the key, so that a saved config holds no secret."""
+    weight_transport: Literal["disk", "distributed"] = "disk"
+    """How a published state_dict reaches the server: "disk", safetensors under `weights_dir` that
+    the server loads (`/update_weights_from_disk`); "distributed", a torch.distributed broadcast from
+    this process, which the server receives through a group it joins (`/init_weights_update_group`,
+    `/update_weights_from_distributed`; see the module docstring). A checkpoint directory given
+    instead of a state_dict always goes through disk."""
+    weight_group_backend: Literal["gloo", "nccl"] | None = None
+    """The distributed transport's torch.distributed backend: nccl between GPUs, gloo over TCP (CPU
+    tensors); None: nccl when this process sees a CUDA device, else gloo."""
+    weight_group_address: str | None = None
+    """This machine's address as the server reaches it: the distributed transport's rendezvous store
+    listens here and the server is told to connect to it; None: the local address of the route to
+    the server's host."""
+    weight_group_port: int = 0
+    """Port of that rendezvous store; 0 picks a free one."""
+    weight_group_ranks: int | None = None
+    """Server ranks that join the group (SGLang's `--tp-size`: one per tensor-parallel worker);
+    None: `tp_size` from the server's `/server_info`."""
+    weight_group_timeout_s: float = 600.0
+    """Seconds the distributed transport waits for the server to join the group, and for each
+    tensor's broadcast to complete: the bound on a broadcast to a server that stopped receiving."""
 
     def __post_init__(self) -> None:
         try:
@@ -191,15 +230,28 @@ class SGLangOptions:
             ("max_connections", 1 <= self.max_connections <= 100_000),
             ("keep_checkpoints", 1 <= self.keep_checkpoints <= 1000),
             ("max_shard_bytes", self.max_shard_bytes >= 1),
+            ("weight_group_port", 0 <= self.weight_group_port <= 65535),
+            ("weight_group_timeout_s", 0 < self.weight_group_timeout_s <= 86400),
         ]
         for name, ok in checks:
             value = getattr(self, name)
             if isinstance(value, bool) or not ok or not math.isfinite(value):
                 raise ValueError(f"SGLangOptions.{name}={value!r} is out of range")
-        for name in ("num_layers", "top_k", "num_experts"):
+        for name in ("num_layers", "top_k", "num_experts", "weight_group_ranks"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"SGLangOptions.{name} must be None or an int >= 1, got {value!r}")
+        if self.weight_transport not in ("disk", "distributed"):
+            raise ValueError(
+                f"SGLangOptions.weight_transport must be disk or distributed, got {self.weight_transport!r}"
+            )
+        if self.weight_group_backend not in (None, "gloo", "nccl"):
+            raise ValueError(
+                "SGLangOptions.weight_group_backend must be None, gloo or nccl, "
+                f"got {self.weight_group_backend!r}"
+            )
+        if self.weight_group_address is not None and not self.weight_group_address.strip():
+            raise ValueError("SGLangOptions.weight_group_address must be None or a host name or address")
 
 
 @dataclass(frozen=True)
@@ -221,6 +273,7 @@ class SGLangEngine:
         self._no_update = asyncio.Event()
         self._no_update.set()
         self._layout: _Layout | None = None
+        self._group: WeightBroadcastGroup | None = None
         self._closed = False
         self._headers: dict[str, str] = {}
         key_env = self.options.api_key_env
@@ -307,31 +360,75 @@ class SGLangEngine:
     ) -> None:
         """Make `version` current: write `state_dict` under `weights_dir` (or take a directory that
         already holds a safetensors checkpoint), pause the server (aborting in-flight requests), load
-        it, continue. The version changes only when the server reports success."""
+        it, continue. The version changes only when the server reports success. With
+        `weight_transport="distributed"` a state_dict goes by `update_weights_distributed` instead."""
+        if self.options.weight_transport == "distributed" and not isinstance(state_dict, str | os.PathLike):
+            await self.update_weights_distributed(state_dict, version)
+            return
         self._check_open()
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise ValueError(f"version must be an int, got {version!r}")
+        _check_version_type(version)
         async with self._updating:
-            if version <= self._version:
-                raise ValueError(f"the new version {version} must exceed the current {self._version}")
+            self._check_version(version)
             if isinstance(state_dict, str | os.PathLike):
                 # Absolute: the server resolves paths against its own working directory.
                 path, written = await asyncio.to_thread(os.path.abspath, os.fspath(state_dict)), False
             else:
                 path, written = await asyncio.to_thread(self._write_checkpoint, state_dict, version), True
-            self._no_update.clear()
-            try:
-                paused = await self._pause()
-                try:
-                    await self._load(path, version, abort_all=not paused)
-                    self._version = version
-                finally:
-                    if paused:
-                        await self._continue()
-            finally:
-                self._no_update.set()
+            await self._publish(version, lambda abort_all: self._load(path, version, abort_all=abort_all))
             if written:
                 await asyncio.to_thread(self._prune, version)
+
+    async def update_weights_distributed(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Make `version` current by broadcast: form the weight group with the server if there is none
+        yet, pause the server (aborting in-flight requests), announce the tensors and broadcast them
+        in that order, continue. The version changes only when the server reports success; a server
+        that dies or stops receiving mid-broadcast raises `SGLangUnavailable` within
+        `weight_group_timeout_s` (per tensor) and the group is discarded."""
+        self._check_open()
+        _check_version_type(version)
+        manifest = describe(weights)  # every tensor checked before the server is asked anything
+        async with self._updating:
+            self._check_version(version)
+            group = await self._weight_group()
+            body = {
+                "names": list(manifest.names),
+                "dtypes": list(manifest.dtypes),
+                "shapes": [list(shape) for shape in manifest.shapes],
+                "group_name": group.group_name,
+                "flush_cache": True,  # cached prefixes hold KV of the old weights
+                "weight_version": str(version),
+            }
+
+            async def load(abort_all: bool) -> None:
+                await self._broadcast_load(group, {**body, "abort_all_requests": abort_all}, weights)
+
+            await self._publish(version, load)
+
+    async def _publish(self, version: int, load: Callable[[bool], Awaitable[None]]) -> None:
+        """Hold new requests, pause the server (or, without `/pause_generation`, let `load` abort
+        everything: its argument), `load`, continue; `version` becomes current when `load` returns."""
+        self._no_update.clear()
+        try:
+            paused = await self._pause()
+            try:
+                await load(not paused)
+                self._version = version
+            except BaseException as error:
+                if paused:
+                    try:
+                        await self._continue()
+                    except SGLangError as also:
+                        # The load's failure says what went wrong; this one only follows from it.
+                        error.add_note(f"and generation could not be continued: {also}")
+                raise
+            if paused:
+                await self._continue()
+        finally:
+            self._no_update.set()
+
+    def _check_version(self, version: int) -> None:
+        if version <= self._version:
+            raise ValueError(f"the new version {version} must exceed the current {self._version}")
 
     async def health(self) -> bool:
         """True when the server generates (`/health_generate` answers 200 within `health_timeout_s`);
@@ -366,7 +463,25 @@ class SGLangEngine:
         return answer
 
     async def aclose(self) -> None:
-        """Close the HTTP client. Idempotent; the server keeps running."""
+        """Leave the weight group (asking the server to destroy its side: a failure to is logged, the
+        server may be gone) and close the HTTP client. Idempotent; the server keeps running."""
+        if not self._closed and self._group is not None:
+            group, self._group = self._group, None
+            body = {"group_name": group.group_name}
+            try:
+                response = await self._request(
+                    "POST",
+                    "/destroy_weights_update_group",
+                    body,
+                    self.options.control_timeout_s,
+                    repeatable=True,
+                )
+                if response.status_code != 200:
+                    raise self._refused("/destroy_weights_update_group", response)
+            except SGLangError as error:
+                _log.warning("weight group %s left on the server: %s", group.group_name, error)
+            finally:
+                group.close()
         self._closed = True
         client, self._client = self._client, None
         if client is not None:
@@ -607,6 +722,148 @@ class SGLangEngine:
                 response.status_code,
             )
 
+    async def _weight_group(self) -> WeightBroadcastGroup:
+        """The weight group, formed with the server on first use: this process hosts the rendezvous
+        store and joins as rank 0 while the server, asked by `/init_weights_update_group`, joins
+        through the same store."""
+        if self._group is not None:
+            return self._group
+        options = self.options
+        ranks = options.weight_group_ranks or await self._server_ranks()
+        address = options.weight_group_address
+        if address is None:
+            address = await asyncio.to_thread(_local_address, self._base)
+        backend: GroupBackend = options.weight_group_backend or (
+            "nccl" if torch.cuda.is_available() else "gloo"
+        )
+        # A fresh name each time: a server keeps a broken group's name registered until it is destroyed.
+        name = f"pacerl-weights-{uuid.uuid4().hex[:12]}"
+        try:
+            group = WeightBroadcastGroup(
+                address=address,
+                port=options.weight_group_port,
+                world_size=ranks + 1,
+                group_name=name,
+                backend=backend,
+                timeout_s=options.weight_group_timeout_s,
+            )
+        except RuntimeError as error:  # torch's DistNetworkError and DistStoreError are RuntimeErrors
+            raise SGLangError(
+                f"cannot host the weight group's rendezvous store on {address}:{options.weight_group_port} "
+                f"(SGLangOptions.weight_group_address / weight_group_port): {error}"
+            ) from None
+        body = {
+            "master_address": address,
+            "master_port": group.port,
+            "rank_offset": 1,
+            "world_size": ranks + 1,
+            "group_name": name,
+            "backend": backend,
+        }
+        joined = _in_thread(group.connect)
+        try:
+            await self._alongside(
+                "/init_weights_update_group",
+                body,
+                options.weight_group_timeout_s,
+                joined,
+                "forming the weight group",
+                settle_on_refusal=False,  # a server that did not join leaves this side waiting in vain
+            )
+        except BaseException:
+            _discard(group, joined)
+            raise
+        self._group = group
+        return group
+
+    async def _broadcast_load(
+        self, group: WeightBroadcastGroup, body: dict[str, Any], weights: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Announce the tensors and broadcast them, together. Only a refusal after a complete
+        broadcast leaves the group's ranks in step; after any other failure the group is discarded."""
+        sent = _in_thread(group.broadcast, list(weights.items()))
+        try:
+            await self._alongside(
+                "/update_weights_from_distributed",
+                body,
+                self.options.update_timeout_s,
+                sent,
+                "the weight broadcast",
+                settle_on_refusal=True,
+            )
+        except BaseException as error:
+            in_step = sent.done() and not sent.cancelled() and sent.exception() is None
+            if not (in_step and isinstance(error, SGLangRequestError)):
+                if self._group is group:
+                    self._group = None
+                _discard(group, sent)
+            raise
+
+    async def _alongside(
+        self,
+        path: str,
+        body: dict[str, Any],
+        timeout_s: float,
+        work: asyncio.Future[None],
+        what: str,
+        *,
+        settle_on_refusal: bool,
+    ) -> None:
+        """POST `body` to `path` while `work` (this process's part of the same collective, on a
+        thread) runs: the server answers only once its ranks are done, so both must run at once. The
+        first failure of either ends the wait. With `settle_on_refusal`, a refusal first waits for
+        `work` to end, at most the group's timeout: a server that refuses the tensors it received has
+        received them all, so `work` ends at once and the group stays in step."""
+        where = self._base + path
+        call = asyncio.ensure_future(self._request("POST", path, body, timeout_s, repeatable=False))
+        try:
+            # FIRST_COMPLETED, not FIRST_EXCEPTION: a refusal is an answer, not an exception.
+            both: list[asyncio.Future[Any]] = [call, work]
+            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+            if work.done() and work.exception() is not None:
+                raise SGLangUnavailable(
+                    f"{what} with the SGLang server at {where} failed: {work.exception()}"
+                ) from work.exception()
+            response = await call
+        finally:
+            call.cancel()
+        if response.status_code >= 500:
+            raise self._refused(path, response)
+        answer = _json(response, where)
+        if not isinstance(answer, dict) or not isinstance(answer.get("success"), bool):
+            raise SGLangProtocolError(f"{where} answered {_brief(answer)}, not {{success, message}}")
+        refused = response.status_code != 200 or not answer["success"]
+        if not refused or settle_on_refusal:
+            await asyncio.wait([work])
+            if work.exception() is not None:
+                raise SGLangUnavailable(
+                    f"{what} with the SGLang server at {where} failed: {work.exception()}"
+                ) from work.exception()
+        if refused:
+            raise SGLangRequestError(
+                f"the SGLang server at {self._base} refused {what}: {answer.get('message', '(no message)')}",
+                response.status_code,
+            )
+
+    async def _server_ranks(self) -> int:
+        """The server's tensor-parallel size, from `/server_info` (`/get_server_info` on older servers)."""
+        timeout = self.options.control_timeout_s
+        path = "/server_info"
+        response = await self._request("GET", path, None, timeout, repeatable=True)
+        if response.status_code == 404:
+            path = "/get_server_info"
+            response = await self._request("GET", path, None, timeout, repeatable=True)
+        if response.status_code != 200:
+            raise self._refused(path, response)
+        answer = _json(response, self._base + path)
+        ranks = _config_int(answer, "tp_size") if isinstance(answer, dict) else None
+        if ranks is None:
+            raise SGLangProtocolError(
+                f"{self._base}{path} has no tp_size to size the weight group with: "
+                "set SGLangOptions.weight_group_ranks"
+            )
+        return ranks
+
     def _write_checkpoint(self, state_dict: Mapping[str, torch.Tensor], version: int) -> str:
         """`state_dict` as a safetensors checkpoint in `weights_dir/version-N`; the path."""
         if self.options.weights_dir is None:
@@ -685,6 +942,73 @@ def save_sharded(state_dict: Mapping[str, torch.Tensor], directory: Path, max_sh
             "weight_map": {name: file for file, shard in zip(names, shards, strict=True) for name in shard},
         }
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _check_version_type(version: Any) -> None:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ValueError(f"version must be an int, got {version!r}")
+
+
+def _in_thread(function: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
+    """`function(*args)` on a daemon thread of its own, as a future of the running loop. Not the
+    loop's executor: a collective stays blocked until its timeout, and nothing may wait for it at
+    the loop's shutdown."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = function(*args)
+        except BaseException as raised:
+            error = raised
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits the outcome
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="pacerl-weight-group", daemon=True).start()
+    return future
+
+
+def _discard(group: WeightBroadcastGroup, work: asyncio.Future[Any]) -> None:
+    """Close `group` once `work` (its collective still running, perhaps until its timeout) ends,
+    and take the outcome so that asyncio does not report it as never retrieved."""
+
+    def close(done: asyncio.Future[Any]) -> None:
+        if not done.cancelled():
+            done.exception()
+        group.close()
+
+    work.add_done_callback(close)
+
+
+def _local_address(base_url: str) -> str:
+    """This machine's address on the route to the server's host. A UDP socket's connect only picks
+    the route; nothing is sent."""
+    url = httpx.URL(base_url)
+    host = url.host
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        # IPv4 first: SGLang joins through "tcp://{master_address}:{master_port}", unbracketed.
+        infos.sort(key=lambda info: info[0] != socket.AF_INET)
+        family, kind, protocol, _, address = infos[0]
+        with socket.socket(family, kind, protocol) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError as error:
+        raise SGLangError(
+            f"cannot tell this machine's address towards {host}: {error}; "
+            "set SGLangOptions.weight_group_address"
+        ) from None
 
 
 def _copy_config_files(source: Path, target: Path) -> None:
