@@ -38,18 +38,22 @@ github.com/sgl-project/sglang), these files of it:
   `Authorization: Bearer <key>`, else HTTP 401 `{"error": "Unauthorized"}`.
 - `python/sglang/srt/state_capturer/routed_experts.py`: routed experts `(prompt + completion − 1,
   layers, top_k)` int32, base64, only with the server flag (`enable_return_routed_experts` here).
-- Weights by broadcast: `http_server.py` (`/init_weights_update_group`,
-  `/update_weights_from_distributed`, `/destroy_weights_update_group`, each answering `{"success",
-  "message"}`, 400 when false; `/server_info` with the server args, `tp_size` among them), `io_struct.py`
-  (`InitWeightsUpdateGroupReqInput`, `UpdateWeightsFromDistributedReqInput`,
-  `DestroyWeightsUpdateGroupReqInput`), `managers/tokenizer_communicator_mixin.py` (an update waits as
-  the writer unless paused, like one from disk; `weight_version` is taken on success),
-  `model_executor/model_runner.py` (join as rank `rank_offset + tp_rank`; per name
-  `torch.empty(shape, dtype=getattr(torch, dtype))` received by `broadcast(src=0, async_op=True)` in
-  order, then all waited for and loaded; the messages) and `utils/common.py` (`init_custom_process_group`:
-  a `tcp://` rendezvous whose TCPStore rank 0 hosts, `PrefixStore(group_name)`, torch's
-  `_new_process_group_helper`, the group's ranks registered by hand). `join_weight_group` and
-  `receive_weights` below do the same steps; the stand-in is one tensor-parallel worker (`tp_size` 1).
+- Weights by broadcast: `http_server.py` (`/init_weights_update_group`, `/begin_weight_update`,
+  `/update_weights_from_distributed`, `/end_weight_update`, `/destroy_weights_update_group`, each
+  answering `{"success", "message"}`, 400 when false; `/server_info` with the resolved server args,
+  `tp_size` among them), `io_struct.py` (`InitWeightsUpdateGroupReqInput`,
+  `UpdateWeightsFromDistributedReqInput`, `BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`,
+  `DestroyWeightsUpdateGroupReqInput`), `managers/tokenizer_control_mixin.py` (an update waits as the
+  writer unless paused, like one from disk; `weight_version` is taken on success),
+  `managers/scheduler_components/weight_updater.py` (a distributed update only inside a begin/end
+  session, else refused before receiving; one session at a time; the messages),
+  `model_executor/model_runner_components/weight_updater.py` (join as rank `rank_offset + tp_rank`; per
+  name `torch.empty(shape, dtype=getattr(torch, dtype))` received by `broadcast(src=0, async_op=True)`
+  in order, then all waited for and loaded; a failure while receiving is "Failed to receive weights:
+  ...") and `utils/common.py` (`init_custom_process_group`: a `tcp://` rendezvous whose TCPStore rank 0
+  hosts, `PrefixStore(group_name)`, torch's `_new_process_group_helper`, the group's ranks registered
+  by hand). `join_weight_group` and `receive_weights` below do the same steps; the stand-in is one
+  tensor-parallel worker (`tp_size` 1).
 
 Deviations, each refused with HTTP 400 and a message rather than faked: one prompt per request (no
 batches), `input_ids` only (no `text`; pacerl never sends it), no streaming, no prompt log-probs
@@ -64,8 +68,8 @@ instead of polling each second. Weights by broadcast: gloo only (the stand-in ru
 before anything is received (SGLang zips the lists, fails at the bad dtype after posting the earlier
 receives, and knows "flattened_bucket"); names and shapes that do not fit the model are refused after
 receiving and before any copy, so the old weights stay whole (SGLang loads as far as it gets and says
-the weights are partially updated); a missing group is refused with SGLang's message instead of
-failing the scheduler's assertion.
+the weights are partially updated); the session's begin and end do nothing to the weights (SGLang
+unpacks and repacks quantized ones there).
 """
 
 from __future__ import annotations
@@ -209,6 +213,7 @@ class UpdateWeightsFromDistributedBody(pydantic.BaseModel):
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
     torch_empty_cache: bool = False
     rid: str | None = None
 
@@ -217,6 +222,19 @@ class DestroyWeightsUpdateGroupBody(pydantic.BaseModel):
     """SGLang's `DestroyWeightsUpdateGroupReqInput`."""
 
     group_name: str = "weight_update_group"
+    rid: str | None = None
+
+
+class BeginWeightUpdateBody(pydantic.BaseModel):
+    """SGLang's `BeginWeightUpdateReqInput`."""
+
+    selector: Literal["target", "draft", "all"] = "all"
+    rid: str | None = None
+
+
+class EndWeightUpdateBody(pydantic.BaseModel):
+    """SGLang's `EndWeightUpdateReqInput`."""
+
     rid: str | None = None
 
 
@@ -275,6 +293,8 @@ class _Server:
         self.groups: dict[str, dist.ProcessGroup] = {}
         """Weight groups joined, by name (SGLang's `_model_update_group`)."""
         self.group_timeout_s = group_timeout_s
+        self.session_open = False
+        """Whether a weight-update session is open (`/begin_weight_update` .. `/end_weight_update`)."""
         self.vocab_size = int(engine.model.config.vocab_size)
         eos = engine.model.config.eos_token_id
         self.eos = {eos} if isinstance(eos, int) else set(eos or [])
@@ -369,6 +389,19 @@ class _Server:
         self.groups[body.group_name] = group
         return True, "Succeeded to initialize custom process group."
 
+    async def session(self, begin: bool) -> tuple[bool, str]:
+        """Open (`begin`) or close the weight-update session, as the writer unless paused."""
+
+        async def toggle() -> tuple[bool, str]:
+            if begin and self.session_open:
+                return False, "a weight-update session is already open; call end_weight_update() first"
+            if not begin and not self.session_open:
+                return False, "no weight-update session is open; call begin_weight_update() first"
+            self.session_open = begin
+            return True, "Success"
+
+        return await self._as_writer(False, toggle)
+
     def destroy_group(self, body: DestroyWeightsUpdateGroupBody) -> tuple[bool, str]:
         group = self.groups.pop(body.group_name, None)
         if group is None:
@@ -377,10 +410,15 @@ class _Server:
         return True, "Succeeded to destroy custom process group."
 
     async def _receive(self, body: UpdateWeightsFromDistributedBody) -> tuple[bool, str]:
+        if not self.session_open:
+            return False, (
+                "update_weights_from_distributed must run between begin_weight_update() and "
+                "end_weight_update()"
+            )
         group = self.groups.get(body.group_name)
         if group is None:
             return False, (
-                f"Group {body.group_name} not in {list(self.groups)}. "
+                f"Failed to receive weights: Group {body.group_name} not in {list(self.groups)}. "
                 "Please call `init_weights_update_group` first."
             )
         if body.load_format is not None:
@@ -389,11 +427,11 @@ class _Server:
             return False, "names, dtypes and shapes must have one entry per tensor (the pacerl stand-in)"
         for dtype in body.dtypes:
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                return False, f"Failed to update parameter online: module 'torch' has no attribute '{dtype}'."
+                return False, f"Failed to receive weights: module 'torch' has no attribute '{dtype}'"
         try:
             received = await asyncio.to_thread(receive_weights, group, body.names, body.dtypes, body.shapes)
         except RuntimeError as error:
-            return False, f"Failed to update parameter online: {error}."
+            return False, f"Failed to receive weights: {error}"
         tensors = dict(received)
         problems = self._misfits(tensors)
         if problems:
@@ -953,6 +991,18 @@ def create_standin_app(
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> JSONResponse:
         """Receive the named tensors by broadcast from rank 0, in order, and load them."""
         success, message = await server.update_from_distributed(body)
+        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    @app.post("/begin_weight_update", tags=["weights"])
+    async def begin_weight_update(body: BeginWeightUpdateBody) -> JSONResponse:
+        """Open the weight-update session a distributed update needs."""
+        success, message = await server.session(begin=True)
+        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    @app.post("/end_weight_update", tags=["weights"])
+    async def end_weight_update(body: EndWeightUpdateBody) -> JSONResponse:
+        """Close the weight-update session."""
+        success, message = await server.session(begin=False)
         return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
 
     @app.post("/destroy_weights_update_group", tags=["weights"])

@@ -72,8 +72,10 @@ With `weight_transport="distributed"` the tensors go by torch.distributed broadc
 path for GPU clusters; `agents.engine.weight_group` cites the server's side): once, this client hosts
 a rendezvous store, asks the server to join a group through it (`POST /init_weights_update_group`,
 the server's tensor-parallel workers taking ranks 1..tp_size) and forms the group as rank 0; then each
-publication pauses generation as above, announces names, dtypes and shapes
-(`POST /update_weights_from_distributed`) while broadcasting the tensors in that order, and continues.
+publication pauses generation as above, opens a weight-update session (`POST /begin_weight_update`,
+which sglang 0.5.23 requires around distributed updates), announces names, dtypes and shapes
+(`POST /update_weights_from_distributed`) while broadcasting the tensors in that order, closes the
+session (`POST /end_weight_update`) and continues.
 The group is never torch.distributed's default one. A publication whose broadcast broke off (a dead
 server, a timeout) discards the group; the next publication forms a new one under a new name.
 """
@@ -400,7 +402,19 @@ class SGLangEngine:
             }
 
             async def load(abort_all: bool) -> None:
-                await self._broadcast_load(group, {**body, "abort_all_requests": abort_all}, weights)
+                # SGLang 0.5.23 takes distributed updates only inside a weight-update session.
+                session = await self._session_call("/begin_weight_update", {"selector": "all"})
+                try:
+                    await self._broadcast_load(group, {**body, "abort_all_requests": abort_all}, weights)
+                except BaseException as error:
+                    if session:
+                        try:
+                            await self._session_call("/end_weight_update", {})
+                        except SGLangError as also:
+                            error.add_note(f"and the weight-update session could not be closed: {also}")
+                    raise
+                if session:
+                    await self._session_call("/end_weight_update", {})
 
             await self._publish(version, load)
 
@@ -844,6 +858,26 @@ class SGLangEngine:
                 f"the SGLang server at {self._base} refused {what}: {answer.get('message', '(no message)')}",
                 response.status_code,
             )
+
+    async def _session_call(self, path: str, body: dict[str, Any]) -> bool:
+        """`/begin_weight_update` or `/end_weight_update`; False when the server has no such route
+        (SGLang before weight-update sessions, which takes distributed updates without one)."""
+        response = await self._request("POST", path, body, self.options.control_timeout_s, repeatable=False)
+        if response.status_code == 404:
+            return False
+        if response.status_code >= 500:
+            raise self._refused(path, response)
+        answer = _json(response, self._base + path)
+        if not isinstance(answer, dict) or not isinstance(answer.get("success"), bool):
+            raise SGLangProtocolError(
+                f"{self._base}{path} answered {_brief(answer)}, not {{success, message}}"
+            )
+        if response.status_code != 200 or not answer["success"]:
+            raise SGLangRequestError(
+                f"the SGLang server at {self._base}{path} refused: {answer.get('message', '(no message)')}",
+                response.status_code,
+            )
+        return True
 
     async def _server_ranks(self) -> int:
         """The server's tensor-parallel size, from `/server_info` (`/get_server_info` on older servers)."""

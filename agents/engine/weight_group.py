@@ -2,17 +2,24 @@
 
 The server's side, in sglang 0.5.23 (the version pyproject's `sglang` extra pins):
 
-- `python/sglang/srt/entrypoints/http_server.py`: `POST /init_weights_update_group` and
-  `POST /update_weights_from_distributed`, each answering `{"success", "message"}` (HTTP 400 when
-  `success` is false); `POST /destroy_weights_update_group` with `{"group_name"}`.
+- `python/sglang/srt/entrypoints/http_server.py`: `POST /init_weights_update_group`,
+  `/begin_weight_update`, `/update_weights_from_distributed` and `/end_weight_update`, each answering
+  `{"success", "message"}` (HTTP 400 when `success` is false); `POST /destroy_weights_update_group`
+  with `{"group_name"}`.
 - `python/sglang/srt/managers/io_struct.py`: `InitWeightsUpdateGroupReqInput` (`master_address`,
-  `master_port`, `rank_offset`, `world_size`, `group_name`, `backend`) and
+  `master_port`, `rank_offset`, `world_size`, `group_name`, `backend`),
   `UpdateWeightsFromDistributedReqInput` (`names`, `dtypes`, `shapes`, `group_name`, `flush_cache`,
-  `abort_all_requests`, `weight_version`, `load_format`).
-- `python/sglang/srt/model_executor/model_runner.py` (`init_weights_update_group`,
-  `update_weights_from_distributed`): each tensor-parallel worker joins as rank `rank_offset + tp_rank`;
-  for each name it allocates `torch.empty(shape, dtype=getattr(torch, dtype))` and receives it by one
-  `broadcast(src=0)`, in the order of `names`, then loads them all with the model's `load_weights`.
+  `abort_all_requests`, `weight_version`, `load_format`, `selector`), `BeginWeightUpdateReqInput`
+  (`selector`), `EndWeightUpdateReqInput`.
+- `python/sglang/srt/managers/scheduler_components/weight_updater.py`: a distributed update outside
+  a begin/end weight-update session is refused; it receives, loads, records the weight version and
+  flushes the cache (refused while requests still run).
+- `python/sglang/srt/model_executor/model_runner_components/weight_updater.py`
+  (`init_weights_update_group`, `receive_weights_from_distributed`): each tensor-parallel worker
+  joins as rank `rank_offset + tp_rank` (no device bound: nccl connects lazily, at the first
+  broadcast); for each name it allocates `torch.empty(shape, dtype=getattr(torch, dtype))` and
+  receives it by one `broadcast(src=0, async_op=True)`, in the order of `names`, waits for all, then
+  loads them with the model's `load_weights`.
 - `python/sglang/srt/utils/common.py` (`init_custom_process_group`): the worker's group comes from a
   `tcp://master_address:master_port` rendezvous, a TCPStore *client* (rank 0 hosts the store), wrapped
   in `PrefixStore(group_name)`; torch's `_new_process_group_helper` then adds the prefixes

@@ -91,8 +91,9 @@ async def test_a_publication_gives_the_server_exactly_the_trainers_weights(stand
     assert paths.count("/init_weights_update_group") == 1 and "/update_weights_from_disk" not in paths
     updates = [i for i, path in enumerate(paths) if path == "/update_weights_from_distributed"]
     assert len(updates) == 2
-    for i in updates:  # paused around each publication, as the disk path is
-        assert paths[i - 1] == "/pause_generation" and paths[i + 1] == "/continue_generation"
+    for i in updates:  # paused as the disk path is, inside the weight-update session SGLang requires
+        assert paths[i - 2 : i] == ["/pause_generation", "/begin_weight_update"]
+        assert paths[i + 1 : i + 3] == ["/end_weight_update", "/continue_generation"]
     init = next(body for path, body in sent if path == "/init_weights_update_group")
     assert init["rank_offset"] == 1 and init["world_size"] == 2 and init["backend"] == "gloo"
     assert init["master_address"] == "127.0.0.1" and init["group_name"].startswith("pacerl-weights-")
@@ -144,21 +145,25 @@ async def test_weights_that_do_not_fit_are_refused_clearly_and_leave_the_old_one
         await client.update_weights_distributed(good, version=0)
     assert len(sent) == count
 
-    # The server's own refusals of a malformed announcement, before it receives anything: SGLang
-    # resolves dtypes with getattr(torch, name), so "torch.float32" is no dtype there.
+    # The server's own refusals, before it receives anything: an update outside a weight-update
+    # session (sglang 0.5.23), a dtype torch does not name (SGLang resolves them with getattr(torch,
+    # name), so "torch.float32" is none), a group never formed.
     group = next(body for path, body in sent if path == "/init_weights_update_group")["group_name"]
     announce: dict[str, Any] = {"names": ["lm_head.weight"], "shapes": [[300, 64]], "group_name": group}
     async with httpx.AsyncClient(base_url=standin.url) as http:
-        typed = await http.post(
-            "/update_weights_from_distributed", json={**announce, "dtypes": ["torch.float32"]}
-        )
-        assert typed.status_code == 400 and "has no attribute 'torch.float32'" in typed.json()["message"]
+
+        async def refusal(body: dict[str, Any]) -> str:
+            response = await http.post("/update_weights_from_distributed", json=body)
+            assert response.status_code == 400 and response.json()["success"] is False
+            return str(response.json()["message"])
+
+        outside = await refusal({**announce, "dtypes": ["float32"]})
+        assert outside.startswith("update_weights_from_distributed must run between begin_weight_update()")
+        assert (await http.post("/begin_weight_update", json={})).json()["success"] is True
+        assert "has no attribute 'torch.float32'" in await refusal({**announce, "dtypes": ["torch.float32"]})
         stray = {**announce, "dtypes": ["float32"], "group_name": "no-such-group"}
-        missing = await http.post("/update_weights_from_distributed", json=stray)
-        assert (
-            missing.status_code == 400
-            and "call `init_weights_update_group` first" in missing.json()["message"]
-        )
+        assert "call `init_weights_update_group` first" in await refusal(stray)
+        assert (await http.post("/end_weight_update", json={})).json()["success"] is True
 
     # The group is still in step after the refusals: the next publication goes through it.
     await client.update_weights_distributed(good, version=1)
