@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -162,6 +162,33 @@ def build_tiny_moe(
         raise TypeError(f"from_config built a {type(model).__name__}")
     model.train(False)  # eval(), which transformers leaves untyped
     return model
+
+
+WeightLayout = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
+"""Turns a model's in-memory state dict into another naming (see `checkpoint_layout`)."""
+
+
+def checkpoint_layout(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (named and shaped as `model` holds it in memory) in the layout its checkpoints are saved
+    in, the one an inference server loads: transformers 5 fuses the experts of a layer into one tensor in
+    memory (`mlp.experts.gate_up_proj`) where checkpoints keep one per expert and projection
+    (`mlp.experts.0.gate_proj.weight`, ...); a server that skips names it does not know (SGLang does)
+    would keep its experts at the old weights. Other models come back unchanged. `model` may live on
+    the meta device: only its class and config are read."""
+    if not isinstance(model, PreTrainedModel):
+        return dict(state)
+    from transformers.core_model_loading import revert_weight_conversion
+
+    converted: dict[str, torch.Tensor] = revert_weight_conversion(model, dict(state))
+    return converted
+
+
+def layout_of(model_class: type[nn.Module], config: Any) -> WeightLayout:
+    """`checkpoint_layout` for models of `model_class` with `config`, from a copy on the meta device
+    (no memory is allocated)."""
+    with torch.device("meta"):
+        shape = model_class(config)
+    return lambda state: checkpoint_layout(shape, state)
 
 
 def parameter_count(model: nn.Module) -> int:

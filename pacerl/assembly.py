@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from agents.engine.embedded import EmbeddedEngine
 from agents.engine.protocol import Engine
 from agents.engine.sglang import SGLangEngine
-from agents.models import build_tiny_moe, load_model, moe_info
+from agents.models import build_tiny_moe, layout_of, load_model, moe_info
 from agents.rollout import EpisodeEnv, RolloutDriver
 from agents.tokenizer import tiny_tokenizer, with_chat_template
 from envs import Task, ToolEnv, load_tasks
@@ -136,7 +136,7 @@ def build_run(
             weights_dir=config.sglang.weights_dir or str(run_dir / "weights"),
             base_model_dir=config.sglang.base_model_dir or config.model.path,
         )
-        engine = SGLangEngine(options)
+        engine = SGLangEngine(options, layout=layout_of(type(model), model.config))
     else:
         engine_seed = replicate_seed(config.engine.seed, config.seed)
         engine = EmbeddedEngine(build_twin(model), tokenizer, replace(config.engine, seed=engine_seed))

@@ -55,6 +55,11 @@ github.com/sgl-project/sglang), these files of it:
   by hand). `join_weight_group` and `receive_weights` below do the same steps; the stand-in is one
   tensor-parallel worker (`tp_size` 1).
 
+Weight names: SGLang's model classes load the checkpoint layout (`load_weights`, e.g. Qwen3-MoE's
+`mlp.experts.<i>.gate_proj.weight` per expert) and skip names they do not know; the stand-in loads that
+layout through transformers' own loading, refuses unknown names, and also takes the model's in-memory
+names (transformers 5's fused `mlp.experts.gate_up_proj`), which the real server would skip.
+
 Deviations, each refused with HTTP 400 and a message rather than faked: one prompt per request (no
 batches), `input_ids` only (no `text`; pacerl never sends it), no streaming, no prompt log-probs
 (`logprob_start_len` must be -1 or the prompt length), no top log-probs, no hidden states, grammars,
@@ -80,6 +85,7 @@ import contextlib
 import datetime
 import json
 import math
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -97,6 +103,7 @@ from fastapi.responses import JSONResponse, Response
 
 from agents.engine.embedded import EmbeddedEngine
 from agents.engine.protocol import FinishReason, Generation, SamplingParams
+from agents.models import checkpoint_layout
 
 TOP_K_ALL = 1 << 30
 """SGLang's "whole vocabulary" top_k (what -1 becomes)."""
@@ -442,9 +449,31 @@ class _Server:
             message += f" Weight version updated to {body.weight_version}."
         return True, message
 
+    def _layout_of(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's own tensors in the naming `tensors` use: the checkpoint's (what SGLang loads:
+        one tensor per expert and projection) unless every name is one of the in-memory state dict's
+        (a deviation the client tests lean on; SGLang would skip such names)."""
+        own = self.engine.model.state_dict()
+        return own if set(tensors) <= set(own) else checkpoint_layout(self.engine.model, own)
+
+    def _in_memory(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint-named `tensors` (some or all) as the model's in-memory tensors: loaded the way
+        SGLang loads a checkpoint, through the model's own weight loading (transformers' here)."""
+        if set(tensors) <= set(self.engine.model.state_dict()):
+            return tensors
+        from safetensors.torch import save_file
+
+        model = self.engine.model
+        merged = {**self._layout_of(tensors), **tensors}
+        with tempfile.TemporaryDirectory() as scratch:
+            save_file({name: t.contiguous() for name, t in merged.items()}, f"{scratch}/model.safetensors")
+            model.config.save_pretrained(scratch)
+            loaded = type(model).from_pretrained(scratch, dtype=next(model.parameters()).dtype)
+        return {name: t.detach() for name, t in loaded.state_dict().items()}
+
     def _misfits(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """What keeps `tensors` from loading into the model: unknown names, other shapes."""
-        own = self.engine.model.state_dict()
+        own = self._layout_of(tensors)
         return [f"unknown parameter {name!r}" for name in tensors if name not in own] + [
             f"{name}: shape {tuple(t.shape)} does not match {tuple(own[name].shape)}"
             for name, t in tensors.items()
@@ -457,7 +486,7 @@ class _Server:
         number = _version_number(weight_version)
         current = self.engine.version
         new = number if number is not None and number > current else current + 1
-        await self.engine.update_weights(tensors, new)
+        await self.engine.update_weights(await asyncio.to_thread(self._in_memory, tensors), new)
         if weight_version is not None:
             self.weight_version = weight_version
         self.names[new] = self.weight_version

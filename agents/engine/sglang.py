@@ -108,6 +108,7 @@ import torch
 from agents.engine.embedded import ContextOverflowError
 from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.engine.weight_group import GroupBackend, WeightBroadcastGroup, describe
+from agents.models import WeightLayout
 
 _T = TypeVar("_T")
 _log = logging.getLogger(__name__)
@@ -266,8 +267,13 @@ class _Layout:
 class SGLangEngine:
     """An SGLang server behind the Engine protocol (see the module docstring)."""
 
-    def __init__(self, options: SGLangOptions | None = None, version: int = 0) -> None:
+    def __init__(
+        self, options: SGLangOptions | None = None, version: int = 0, *, layout: WeightLayout | None = None
+    ) -> None:
         self.options = options or SGLangOptions()
+        self.layout = layout
+        """Renames a published state dict into the layout the server loads (`agents.models.layout_of`:
+        a checkpoint's, not transformers' fused in-memory experts); None publishes names as given."""
         self._base = self.options.url.rstrip("/")
         self._version = version
         self._client: httpx.AsyncClient | None = None
@@ -364,6 +370,8 @@ class SGLangEngine:
         already holds a safetensors checkpoint), pause the server (aborting in-flight requests), load
         it, continue. The version changes only when the server reports success. With
         `weight_transport="distributed"` a state_dict goes by `update_weights_distributed` instead."""
+        if not isinstance(state_dict, str | os.PathLike) and self.layout is not None:
+            state_dict = await asyncio.to_thread(self.layout, state_dict)
         if self.options.weight_transport == "distributed" and not isinstance(state_dict, str | os.PathLike):
             await self.update_weights_distributed(state_dict, version)
             return

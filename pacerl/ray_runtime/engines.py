@@ -20,6 +20,7 @@ from ray.exceptions import RayActorError
 from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from agents.engine.protocol import Generation, SamplingParams
 from agents.engine.sglang import SGLangEngine, SGLangOptions
+from agents.models import layout_of
 from pacerl.ray_runtime.supervisor import FaultLog, Slot, Supervisor, quiet
 from pacerl.ray_runtime.weights import ModelRecipe, PublishedWeights, WeightSpec, join_broadcast_group
 
@@ -36,7 +37,8 @@ class EngineSpec:
     """One engine replica."""
 
     recipe: ModelRecipe | None
-    """The model of an embedded engine (None for an SGLang client)."""
+    """The model of an embedded engine; of an SGLang client, the model whose checkpoint layout its
+    published weights are renamed into (None: published as named)."""
     tokenizer: Any
     """The tokenizer (stop strings are matched on decoded text)."""
     embedded: EmbeddedEngineConfig
@@ -60,7 +62,10 @@ class EngineActor:
         torch.set_num_threads(spec.threads)
         self.engine: EmbeddedEngine | SGLangEngine
         if spec.sglang is not None:
-            self.engine = SGLangEngine(spec.sglang, version=version)
+            layout = (
+                None if spec.recipe is None else layout_of(spec.recipe.model_class, spec.recipe.model_config)
+            )
+            self.engine = SGLangEngine(spec.sglang, version=version, layout=layout)
         else:
             if spec.recipe is None or (state is None and version >= 0):
                 raise ValueError("an embedded replica needs the model recipe, and the weights of its version")

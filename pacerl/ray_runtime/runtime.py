@@ -244,7 +244,7 @@ def _engine_specs(config: RunConfig, run_dir: Path, recipe: ModelRecipe, tokeniz
     weights = Path(config.sglang.weights_dir or run_dir / "weights")
     return [
         EngineSpec(
-            None,
+            recipe,
             tokenizer,
             EmbeddedEngineConfig(),
             replace(

@@ -31,10 +31,11 @@ from agents.engine.sglang import (
     _token_versions,
     launch_command,
 )
+from agents.models import layout_of
 from pacerl.cli import main
 from tests.agents.test_engine import reference_greedy, tiny_moe
 from tests.helpers import ThreadServer, free_port
-from tests.sglang_standin import create_standin_app
+from tests.sglang_standin import create_standin_app, read_safetensors
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0)
 LONG = SamplingParams(max_new_tokens=240, temperature=0, ignore_eos=True)
@@ -274,6 +275,26 @@ async def test_weight_update_through_disk(standin: StandIn, tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+async def test_published_weights_take_the_checkpoint_layout(standin: StandIn, tmp_path: Path) -> None:
+    """What a real server loads: names as `save_pretrained` writes them (one tensor per expert), not
+    transformers' fused in-memory experts, which SGLang would skip, leaving its experts stale."""
+    saved = tmp_path / "saved"
+    standin.model.save_pretrained(saved)
+    on_disk = set(read_safetensors(saved))
+    new_weights = {k: v + 0.05 * torch.randn_like(v) for k, v in tiny_moe(seed=1).state_dict().items()}
+    assert on_disk != set(new_weights)  # the two layouts differ for this model: the renaming matters
+    weights_dir = tmp_path / "published"
+    options = SGLangOptions(
+        url=standin.url, weights_dir=str(weights_dir), base_model_dir=str(standin.base), **LAYOUT
+    )  # type: ignore[arg-type]
+    client = SGLangEngine(options, layout=layout_of(type(standin.model), standin.model.config))
+    await client.update_weights(new_weights, version=1)
+    assert set(read_safetensors(weights_dir / "version-1")) == on_disk
+    for name, tensor in standin.model.state_dict().items():  # loaded through the checkpoint layout, exactly
+        assert torch.equal(tensor, new_weights[name]), name
+    await client.aclose()
+
+
 async def test_health_and_a_dead_server(standin: StandIn) -> None:
     client = standin.client()
     assert await client.health()
