@@ -20,7 +20,7 @@ from pacerl.lab.config import SimConfig, config_from_dict
 from pacerl.lab.costs import Distribution, InferenceConfig, TrainerConfig, WorkloadConfig
 from pacerl.lab.engine import simulate, simulate_mode
 from pacerl.lab.presets import PRESETS
-from pacerl.lab.results import bounds
+from pacerl.lab.results import ModeResult, bounds
 from pacerl.lab.traces import workload_from_trace
 from pacerl.settings import config_to_dict
 from trainer.pool import (
@@ -371,3 +371,208 @@ def test_key_value_overrides_set_the_config_between_the_file_and_the_flags(tmp_p
     config, _ = cli_simulate.build_config(parser.parse_args([*argv, "--out", str(tmp_path)]))
     assert config.workload.group_size == 6  # key=value over the file
     assert config.steps == 60  # the flag over key=value
+
+
+# -- the summary recorded before the simulator was made faster (issue 19) --------------------------------
+
+_RECORDED_CASES = {
+    "pace": {},
+    "max_age": {
+        "filter": FilterConfig(name="max_age", max_concurrent_groups=64, max_age=MaxAgeSettings(versions=2)),
+        "interrupt": "continue",
+        "sync_baseline": "split",
+        "sync_interval": 2,
+        "seed": 11,
+        "inference": dataclasses.replace(InferenceConfig(), kv_capacity_tokens=32_000, max_running=48),
+    },
+    "none": {"filter": FilterConfig(name="none", max_concurrent_groups=64), "pool_cap_groups": 8, "seed": 3},
+}
+"""Changes to `recorded_case`'s base: PACE with rejections; max_age with KV retractions, `continue`
+interrupts and the split sync baseline at S = 2; no filter held back by the pool cap."""
+
+RECORDED = {
+    "pace": {
+        "async": {
+            "simulated_s": 455.25577308017455,
+            "trained_trajectories": 1920,
+            "trained_tokens": 4474160,
+            "steady_trajectories_per_s": 4.5071257188122145,
+            "step_time_p90_s": 15.309399999999995,
+            "generated_tokens": 6240116,
+            "wasted_tokens": 2305294,
+            "inference_utilization": 0.8088707221189665,
+            "mean_running_rows": 41.77465197550421,
+            "rejected_groups": {"pace_budget": 144},
+            "interruptions": 5615,
+            "retractions": 0,
+            "model_segments_per_trajectory": 3.613020833333333,
+            "max_outstanding_groups": 90,
+            "pool_cap_held_s": 0.0,
+            "mean_gs": 2.693962547754744,
+            "mean_ws": 1.1107596918644704,
+            "max_staleness": 9,
+            "gs_hist": [3516, 4308, 7167, 6747, 5439, 3387, 1143, 219, 8],
+            "ws_hist": [721, 26955, 4258, 0, 0, 0, 0, 0, 0],
+            "step_pool_groups": 472,
+        },
+        "sync": {
+            "simulated_s": 302.55350759624827,
+            "trained_trajectories": 256,
+            "trained_tokens": 657751,
+            "steady_trajectories_per_s": 0.72263799695414,
+            "step_time_p90_s": 95.0115743669755,
+            "generated_tokens": 457329,
+            "wasted_tokens": 0,
+            "inference_utilization": 0.6011522214064391,
+            "mean_running_rows": 4.135138108575327,
+            "rejected_groups": {},
+            "interruptions": 0,
+            "retractions": 0,
+            "model_segments_per_trajectory": 2.1796875,
+            "max_outstanding_groups": 8,
+            "pool_cap_held_s": 0.0,
+            "mean_gs": 0.0,
+            "mean_ws": 0.0,
+            "max_staleness": 0,
+            "gs_hist": [4671, 0, 0, 0, 0, 0, 0, 0, 0],
+            "ws_hist": [4671, 0, 0, 0, 0, 0, 0, 0, 0],
+            "step_pool_groups": 32,
+        },
+    },
+    "max_age": {
+        "async": {
+            "simulated_s": 1622.6163896616408,
+            "trained_trajectories": 584,
+            "trained_tokens": 1204469,
+            "steady_trajectories_per_s": 0.2717288545336681,
+            "step_time_p90_s": 99.16330800963057,
+            "generated_tokens": 9525921,
+            "wasted_tokens": 8116970,
+            "inference_utilization": 0.9737265878679585,
+            "mean_running_rows": 12.798783602398894,
+            "rejected_groups": {"max_age": 559},
+            "interruptions": 729,
+            "retractions": 153,
+            "model_segments_per_trajectory": 1.9845890410958904,
+            "max_outstanding_groups": 72,
+            "pool_cap_held_s": 0.0,
+            "mean_gs": 0.7940470475276045,
+            "mean_ws": 0.558089294287086,
+            "max_staleness": 2,
+            "gs_hist": [5024, 0, 3308, 0, 0, 0, 0, 0, 0],
+            "ws_hist": [4477, 3060, 795, 0, 0, 0, 0, 0, 0],
+            "step_pool_groups": 240,
+        },
+        "sync": {
+            "simulated_s": 201.62868334937357,
+            "trained_trajectories": 256,
+            "trained_tokens": 695299,
+            "steady_trajectories_per_s": 1.0958699222994033,
+            "step_time_p90_s": 95.66659516034123,
+            "generated_tokens": 498249,
+            "wasted_tokens": 0,
+            "inference_utilization": 0.6329454708314981,
+            "mean_running_rows": 8.283409162001071,
+            "rejected_groups": {},
+            "interruptions": 0,
+            "retractions": 3,
+            "model_segments_per_trajectory": 2.23046875,
+            "max_outstanding_groups": 16,
+            "pool_cap_held_s": 0.0,
+            "mean_gs": 0.0,
+            "mean_ws": 0.5955651491365777,
+            "max_staleness": 1,
+            "gs_hist": [5096, 0, 0, 0, 0, 0, 0, 0, 0],
+            "ws_hist": [2061, 3035, 0, 0, 0, 0, 0, 0, 0],
+            "step_pool_groups": 48,
+        },
+    },
+    "none": {
+        "async": {
+            "simulated_s": 502.62366980467294,
+            "trained_trajectories": 1920,
+            "trained_tokens": 4863197,
+            "steady_trajectories_per_s": 3.9886591849295314,
+            "step_time_p90_s": 18.506780575103804,
+            "generated_tokens": 3986409,
+            "wasted_tokens": 0,
+            "inference_utilization": 0.5888430742339107,
+            "mean_running_rows": 33.88844671355551,
+            "rejected_groups": {},
+            "interruptions": 1624,
+            "retractions": 0,
+            "model_segments_per_trajectory": 3.0640625,
+            "max_outstanding_groups": 71,
+            "pool_cap_held_s": 364.5149098462744,
+            "mean_gs": 2.236231016896031,
+            "mean_ws": 3.08838362253184,
+            "max_staleness": 12,
+            "gs_hist": [5038, 8171, 7834, 6240, 4695, 2053, 666, 315, 85],
+            "ws_hist": [856, 3956, 7342, 7822, 9318, 5803, 0, 0, 0],
+            "step_pool_groups": 727,
+        },
+        "sync": {
+            "simulated_s": 257.8881810617943,
+            "trained_trajectories": 256,
+            "trained_tokens": 668474,
+            "steady_trajectories_per_s": 0.9710409102216737,
+            "step_time_p90_s": 68.6452729803965,
+            "generated_tokens": 460516,
+            "wasted_tokens": 0,
+            "inference_utilization": 0.6236962945095332,
+            "mean_running_rows": 4.713188742369483,
+            "rejected_groups": {},
+            "interruptions": 0,
+            "retractions": 0,
+            "model_segments_per_trajectory": 2.26953125,
+            "max_outstanding_groups": 8,
+            "pool_cap_held_s": 0.0,
+            "mean_gs": 0.0,
+            "mean_ws": 0.0,
+            "max_staleness": 0,
+            "gs_hist": [4704, 0, 0, 0, 0, 0, 0, 0, 0],
+            "ws_hist": [4704, 0, 0, 0, 0, 0, 0, 0, 0],
+            "step_pool_groups": 32,
+        },
+    },
+}
+"""What the code before issue 19's speed-ups returned for each case (`recorded_summary`), to the last bit."""
+
+
+def recorded_case(name: str) -> SimConfig:
+    """The default workload (multi-turn, long-tailed, tool calls) on 16 + 4 GPUs, 30 steps of 8 groups."""
+    base = SimConfig(
+        inference_gpus=16,
+        trainer_gpus=4,
+        steps=30,
+        sync_steps=4,
+        batch_groups=8,
+        filter=FilterConfig(name="pace", max_concurrent_groups=64, pace=PaceSettings(target_groups=8)),
+        seed=7,
+    )
+    return dataclasses.replace(base, **_RECORDED_CASES[name])  # type: ignore[arg-type]
+
+
+def recorded_summary(run: ModeResult) -> dict[str, object]:
+    """The figures of `RECORDED`: the scalars, the GS/WS histograms and the pool occupancies summed."""
+    data = run.summary()
+    staleness = data.pop("staleness")
+    keys = (
+        "simulated_s", "trained_trajectories", "trained_tokens", "steady_trajectories_per_s",
+        "step_time_p90_s", "generated_tokens", "wasted_tokens", "inference_utilization",
+        "mean_running_rows", "rejected_groups", "interruptions", "retractions",
+        "model_segments_per_trajectory", "max_outstanding_groups", "pool_cap_held_s",
+    )  # fmt: skip
+    summary = {key: data[key] for key in keys}
+    summary.update({key: staleness[key] for key in ("mean_gs", "mean_ws", "max_staleness")})
+    summary.update(gs_hist=list(staleness["gs_hist"]), ws_hist=list(staleness["ws_hist"]))
+    summary["step_pool_groups"] = sum(run.step_pool_groups)
+    return summary
+
+
+@pytest.mark.parametrize("name", sorted(_RECORDED_CASES))
+def test_results_equal_those_recorded_before_the_speed_ups(name: str) -> None:
+    result = simulate(recorded_case(name))
+    assert {"async": recorded_summary(result.async_run), "sync": recorded_summary(result.sync_run)} == (
+        RECORDED[name]
+    )
