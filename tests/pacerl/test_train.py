@@ -15,13 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from agents.engine import EmbeddedEngine
 from agents.models import load_model
 from pacerl.config import ConfigError, config_from_dict, load_config
 from pacerl.train import train
 from tests.helpers import ThreadServer, rewards, small_run
-from tests.sglang_standin import create_standin_app
+from tests.sglang_standin import create_standin_app, read_safetensors
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.metrics import read_metrics
 
@@ -248,8 +249,18 @@ def test_training_against_an_sglang_server_publishes_through_its_update_endpoint
         )
         summary = asyncio.run(train(config))
         served_version = server_engine.version
+        served = {name: tensor.clone() for name, tensor in server_engine.model.state_dict().items()}
     assert summary["step"] == 6 and summary["version"] >= 4
     assert served_version == summary["version"] - summary["version"] % 2  # published every 2 updates
+    # Published in the checkpoint layout (one tensor per expert: what SGLang loads), and loaded: the
+    # server's experts moved away from the warm start's.
+    published = read_safetensors(tmp_path / "run" / "weights" / f"version-{served_version}")
+    assert any(".experts.0." in name for name in published) and not any(
+        name.endswith("experts.gate_up_proj") for name in published
+    )
+    warm, _ = load_model(warm_model[0])
+    experts = [name for name in served if "experts" in name]
+    assert experts and all(not torch.equal(served[name], warm.state_dict()[name]) for name in experts)
     assert sorted(p.name for p in (tmp_path / "run" / "weights").iterdir()) == [f"version-{served_version}"]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     updated = [row for row in rows if row["updated"]]
