@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -507,6 +508,9 @@ class Learner:
             if self.reference is not None:
                 shard(self.reference, self.config.mixed_precision)
         self.model = model
+        self.device = next(model.parameters()).device
+        """Where the model computes (a sharded model's shards moved to its rank's GPU under NCCL); every
+        batch is moved there."""
         # After sharding: the optimizer holds the shards (DTensors), not the full parameters.
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
@@ -647,7 +651,9 @@ class Learner:
                     {start + row: logprobs[row, : len(t.tokens) - 1] for row, t in enumerate(trajectories)}
                 )
         if self.ranks.size > 1:
-            rows = {index: row for part in self.ranks.gather(rows) for index, row in part.items()}
+            # Through the CPU: the object group pickles what it gathers.
+            shared = self.ranks.gather({index: row.cpu() for index, row in rows.items()})
+            rows = {index: row.to(self.device) for part in shared for index, row in part.items()}
         return [rows[index] for index in range(count)]
 
     def _forward(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -724,7 +730,13 @@ class Learner:
                 values.append(sequence_staleness(current, behaviour, mask)[mask.any(-1)])
             else:
                 values.append((current - behaviour)[mask])
-        staleness = torch.cat([part for rank_values in self.ranks.gather(values) for part in rank_values])
+        if self.ranks.size > 1:
+            values = [
+                part.to(self.device)
+                for parts in self.ranks.gather([v.cpu() for v in values])
+                for part in parts
+            ]
+        staleness = torch.cat(values)
         return sat_threshold(staleness, torch.ones_like(staleness, dtype=torch.bool), sat)
 
     def _accumulate(
@@ -748,8 +760,12 @@ class Learner:
         finite = bool(torch.isfinite(logprobs[mask]).all())
         if self.ranks.agree("" if finite else "nonfinite_logprobs"):
             return "nonfinite_logprobs"
-        advantages = torch.tensor([prepared.advantages[i] for i in chunk], dtype=logprobs.dtype)
-        groups = torch.tensor([prepared.group_index[i] for i in chunk], dtype=torch.long)
+        advantages = torch.tensor(
+            [prepared.advantages[i] for i in chunk], dtype=logprobs.dtype, device=logprobs.device
+        )
+        groups = torch.tensor(
+            [prepared.group_index[i] for i in chunk], dtype=torch.long, device=logprobs.device
+        )
         anchor = logprobs.detach() if proximal is None else _padded([proximal[i] for i in chunk], mask.shape)
         output = self._loss(logprobs, anchor, batch, advantages, groups, threshold, denominator)
         chunk_tokens = batch.num_tokens
@@ -847,7 +863,14 @@ class Learner:
 
     def collate(self, trajectories: Sequence[Trajectory]) -> TokenBatch:
         """Pad trajectories for this model (routes shaped to its MoE layout)."""
-        return collate(trajectories, self.pad_id, layers=self._layers, top_k=self._top_k)
+        batch = collate(trajectories, self.pad_id, layers=self._layers, top_k=self._top_k)
+        if self.device.type == "cpu":
+            return batch
+        moved = {
+            name: value.to(self.device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for name, value in vars(batch).items()
+        }
+        return dataclasses.replace(batch, **moved)
 
     @torch.no_grad()
     def logprobs(
@@ -976,7 +999,7 @@ def _frozen_copy(model: nn.Module) -> nn.Module:
 
 def _padded(rows: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tensor:
     """Per-trajectory `[T_i - 1]` rows right-padded with 0 into `shape` (a collated batch's)."""
-    out = torch.zeros(shape, dtype=rows[0].dtype)
+    out = torch.zeros(shape, dtype=rows[0].dtype, device=rows[0].device)
     for row, values in enumerate(rows):
         out[row, : values.shape[0]] = values
     return out

@@ -64,7 +64,11 @@ class TrainerActor:
         rank's shard; blocks until every rank has joined. Returns the version."""
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(self._config.world_size), MASTER_ADDR=host, MASTER_PORT=port
+            RANK=str(rank),
+            WORLD_SIZE=str(self._config.world_size),
+            MASTER_ADDR=host,
+            MASTER_PORT=port,
+            LOCAL_RANK="0",  # Ray shows each actor only the GPU it reserved
         )
         ranks = join()
         self.learner = Learner(

@@ -211,3 +211,32 @@ def test_checkpoints_reshard_between_one_and_two_ranks(sharded: tuple[dict[str, 
     first = learner_for("default")
     first.train_step(groups)
     assert any(not torch.equal(first.weights()[n], continued[n]) for n in continued)  # the step moved them
+
+
+def gpu_rank_main(rank: int, port: int, out: str, groups: list[list[Trajectory]]) -> None:
+    """One rank on its own GPU over NCCL (fp32, so the step is comparable with the CPU's)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ["LOCAL_RANK"] = str(rank)
+    ranks = join("nccl")
+    model = small_model()
+    config = LearnerConfig(**CASES["default"], parallel="fsdp", world_size=1, mixed_precision="fp32")
+    learner = Learner(model, config, ranks=ranks)
+    assert learner.device.type == "cuda"
+    record = step_record(learner, groups)
+    torch.save({"metrics": record["metrics"], "weights": record["weights"]}, Path(out) / "gpu.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_a_sharded_learner_on_a_gpu_takes_the_cpu_step(tmp_path: Path) -> None:
+    """The device path: batches, advantages and SAT's threshold follow the shards onto the GPU (NCCL)."""
+    assert torch.cuda.is_available(), "the GPU test of the FSDP learner needs a CUDA GPU"
+    groups = routed_groups()
+    mp.start_processes(
+        gpu_rank_main, args=(free_port(), str(tmp_path), groups), nprocs=1, start_method="spawn"
+    )
+    got = torch.load(tmp_path / "gpu.pt", weights_only=False)
+    expected = step_record(learner_for("default"), groups)
+    assert got["metrics"]["loss"] == pytest.approx(expected["metrics"]["loss"], rel=1e-4, abs=1e-6)
+    for name, weight in expected["weights"].items():
+        torch.testing.assert_close(got["weights"][name].cpu(), weight, rtol=1e-4, atol=1e-5, msg=name)
