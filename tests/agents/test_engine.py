@@ -9,7 +9,13 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from agents.engine.embedded import ContextOverflowError, EmbeddedEngine, EmbeddedEngineConfig, _GateRecorder
+from agents.engine.embedded import (
+    ContextOverflowError,
+    EmbeddedEngine,
+    EmbeddedEngineConfig,
+    _GateRecorder,
+    _SlotCache,
+)
 from agents.engine.protocol import FinishReason, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
@@ -310,3 +316,99 @@ async def test_router_noise_moves_only_the_engines_routers_and_is_drawn_anew_per
     assert (result.routed_experts != trainer_routes).any()  # the trainer would route some tokens elsewhere
     with pytest.raises(ValueError, match="router_noise must be >= 0"):
         EmbeddedEngineConfig(router_noise=-0.1)
+
+
+def test_slot_cache_keeps_every_rows_keys_through_joins_leaves_shifts_and_growth() -> None:
+    """The preallocated cache: rows join (one with a prompt longer than the used columns, which moves
+    them right), decode for long enough that the columns run out (they move to the front and the
+    buffers grow), and leave from the middle (the last row moves into the slot). Throughout, each row
+    attends to exactly its own keys, in order."""
+    cache = _SlotCache(num_layers=1, max_rows=4, device=torch.device("cpu"))
+    fed: dict[int, list[float]] = {}  # request -> the keys it was fed, in order (key = a unique number)
+    slots: list[int] = []  # the request in each slot
+    counter = iter(range(1, 1_000_000))
+
+    def forward(tokens: torch.Tensor) -> None:
+        """One forward through the cache's single layer; `tokens` `[rows, width]` are the new keys."""
+        keys = tokens[:, None, :, None].expand(-1, 2, -1, 3)  # [rows, kv_heads, width, head_dim]
+        cache.slot_layers[0].update(keys, keys.clone(), 0)
+
+    def join(lengths: list[int]) -> None:
+        width = max(lengths)
+        mask = torch.arange(width)[None, :] >= torch.tensor([width - n for n in lengths])[:, None]
+        cache.join(mask, lengths)
+        tokens = torch.zeros(len(lengths), width)
+        for row, n in enumerate(lengths):
+            request = next(counter)
+            fed[request] = [float(next(counter)) for _ in range(n)]
+            tokens[row, width - n :] = torch.tensor(fed[request])
+            slots.append(request)
+        forward(tokens)
+
+    def decode() -> None:
+        cache.decode()
+        new = [float(next(counter)) for _ in slots]
+        for request, key in zip(slots, new, strict=True):
+            fed[request].append(key)
+        forward(torch.tensor(new)[:, None])
+        cache.advance()
+
+    def leave(rows: list[int]) -> None:
+        movers, holes = cache.remove(rows)
+        for hole, mover in zip(holes, movers, strict=True):
+            slots[hole] = slots[mover]
+        del slots[len(slots) - len(rows) :]
+
+    def check() -> None:
+        keys = cache.slot_layers[0].keys
+        assert keys is not None and cache.rows == len(slots)
+        start, end = cache.start, cache.end
+        for row, request in enumerate(slots):
+            visible = cache.mask[row, start:end]
+            assert keys[row, 0, start:end, 0][visible].tolist() == fed[request]
+            assert cache.starts[row] == end - len(fed[request])
+            assert visible.tolist() == [False] * (cache.starts[row] - start) + [True] * len(fed[request])
+
+    join([3, 5])
+    check()
+    assert cache.mask.shape[0] == 2
+    for _ in range(3):
+        decode()
+    join([20])  # longer than the 8 used columns: they move right (and the slots grow)
+    check()
+    assert cache.mask.shape[0] == 4
+    decode()
+    leave([0])  # the last row moves into slot 0
+    check()
+    shape = cache.mask.shape
+    for _ in range(100):  # the columns run out: moved to the front, the buffers grown
+        decode()
+    assert cache.mask.shape[1] > shape[1]
+    check()
+    join([2, 4])  # every slot in use
+    check()
+    decode()
+    leave([1, 2])  # from the middle
+    check()
+    leave([0, 1])
+    assert cache.rows == 0
+    join([6])  # an empty cache starts again from its first column
+    check()
+    assert cache.start == 0 and cache.end == 6
+
+
+async def test_rows_joining_a_long_running_batch_match_one_by_one_greedy() -> None:
+    """Through the cache's rarer moves: a prompt longer than the columns in use joins a running batch
+    (the columns move right), and a long generation runs past the buffers' first columns (they move to
+    the front and grow). Every request's tokens and log-probs are those it gets alone."""
+    model = tiny_moe()
+    engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_batch=2))
+    jobs = [([5, 6, 7], 120), ([9, 9], 10), ([11 + i % 5 for i in range(50)], 20)]
+    results = await asyncio.gather(
+        *(engine.generate(p, SamplingParams(max_new_tokens=n, temperature=0)) for p, n in jobs)
+    )
+    await engine.aclose()
+    assert engine._cache.mask.shape[1] > 2 * (50 + 1)  # grown past the first allocation
+    for (prompt, length), result in zip(jobs, results, strict=True):
+        assert list(result.tokens) == reference_greedy(model, prompt, length)
+        assert result.logprobs == pytest.approx(full_logprobs(model, prompt, result.tokens), abs=1e-5)
