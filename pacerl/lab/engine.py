@@ -24,10 +24,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import heapq
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from heapq import heappop, heappush
+from math import sqrt
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -75,12 +76,17 @@ class _Simulation:
                 strict=True,
             )
         )
-        # the decode model's constants, read on every event
+        # the decode model's and the loop's constants, read on every event
         self.base_s, self.row_s, self.kv_s = (
             self.inference.step_base_s,
             self.inference.step_per_row_s,
             self.inference.step_per_kv_token_s,
         )
+        self.kv_capacity = self.inference.kv_capacity_tokens
+        self.admit_limit = self.inference.admit_kv_fraction * self.inference.kv_capacity_tokens
+        self.max_running = self.inference.max_running
+        self.keep_caches = config.interrupt == "continue"
+        self.pool_cap = config.pool_cap
         self.now = 0.0
         self.events: list[tuple[float, int, int, Any]] = []
         self.sequence = 0
@@ -102,21 +108,28 @@ class _Simulation:
 
     def run(self) -> ModeResult:
         self.try_launch()
+        events, pop = self.events, heapq.heappop
+        engine_event, tool_returned = self.engine_event, self.tool_returned
         while not self.finished:
-            if not self.events:
+            if not events:
                 raise RuntimeError(
                     f"{self.mode} simulation stalled at step {self.stats.steps} of {self.steps}: nothing in "
                     f"flight and no batch to draw (pool {len(self.pool)} groups)"
                 )
-            when, _, kind, payload = heapq.heappop(self.events)
-            self.now = when
+            when, _, kind, payload = pop(events)
             if kind == _ENGINE:
-                self.engine_event(*payload)
+                if payload[1] != payload[0].epoch:
+                    continue  # the engine was rescheduled since: about half of all events
+                self.now = when
+                engine_event(*payload)
             elif kind == _TOOL:
-                self.tool_returned(payload)
+                self.now = when
+                tool_returned(payload)
             elif kind == _TRAINED:
+                self.now = when
                 self.trained()
             else:
+                self.now = when
                 self.published()
         return self.result()
 
@@ -136,7 +149,7 @@ class _Simulation:
             room = config.sync_interval * config.batch_groups
         else:
             room = self.pool.admission(self.stats.steps, len(self.running_groups), config.batch_groups)
-            if room and len(self.pool) >= config.pool_cap:
+            if room and len(self.pool) >= self.pool_cap:
                 if self.held_since is None:
                     self.held_since = self.now
                 return
@@ -192,12 +205,14 @@ class _Simulation:
             return
         rows = engine.rows
         if rows:
-            alpha = self.base_s + self.row_s * rows + self.kv_s * engine.kv
-            beta = self.kv_s * rows
-            steps = dt / alpha if beta == 0 else 2 * dt / (alpha + math.sqrt(alpha * alpha + 2 * beta * dt))
+            kv_s = self.kv_s
+            alpha = self.base_s + self.row_s * rows + kv_s * engine.kv
+            beta = kv_s * rows
+            steps = dt / alpha if beta == 0 else 2 * dt / (alpha + sqrt(alpha * alpha + 2 * beta * dt))
+            decoded = rows * steps
             engine.s += steps
-            engine.kv += rows * steps
-            engine.tokens += rows * steps
+            engine.kv += decoded
+            engine.tokens += decoded
             engine.busy_s += dt
             engine.row_s += rows * dt
         engine.t = until
@@ -205,35 +220,41 @@ class _Simulation:
     def admit(self, engine: EngineState) -> None:
         """Move queued requests into the running batch while rows and KV allow; their prefill stalls
         decoding. Called with the engine advanced to now."""
-        inference = self.inference
-        limit = inference.admit_kv_fraction * inference.kv_capacity_tokens
+        queue = engine.queue
+        if not queue or engine.rows >= self.max_running:
+            return
+        limit, max_running, keep_caches = self.admit_limit, self.max_running, self.keep_caches
+        version, running = engine.version, engine.running
         prefill = 0
         opened: list[Episode] = []
-        while engine.queue and engine.rows < inference.max_running:
-            episode = engine.queue[0]
+        while queue and engine.rows < max_running:
+            episode = queue[0]
             context = episode.base_context + episode.done
             if engine.rows and engine.kv + context > limit:
                 break
-            engine.queue.popleft()
-            valid = episode.cache_version == engine.version or self.config.interrupt == "continue"
+            queue.popleft()
+            valid = episode.cache_version == version or keep_caches
             prefill += context - (episode.cached if valid else 0)
-            engine.running[episode.uid] = episode
+            running[episode.uid] = episode
             engine.rows += 1
             engine.kv += context
             opened.append(episode)
         if not opened:
             return
         self.realise(engine, opened)
-        for episode in opened:
-            episode.run += 1
-            episode.finish_s = engine.s + episode.remaining
-            heapq.heappush(engine.finishing, (episode.finish_s, episode.uid, episode.run))
-        stall = prefill / inference.prefill_tokens_per_s
-        engine.t = max(engine.t, self.now) + stall
+        stall = prefill / self.inference.prefill_tokens_per_s
+        now = self.now
+        t = engine.t
+        engine.t = t = (t if t >= now else now) + stall
         engine.busy_s += stall
+        s_now, finishing = engine.s, engine.finishing
         for episode in opened:
-            episode.cached, episode.cache_version = episode.base_context + episode.done, engine.version
-            episode.seg_version, episode.seg_t0, episode.seg_done = engine.version, engine.t, episode.done
+            episode.run = run = episode.run + 1
+            episode.finish_s = finish = s_now + episode.remaining
+            heappush(finishing, (finish, episode.uid, run))
+            done = episode.done
+            episode.cached, episode.cache_version = episode.base_context + done, version
+            episode.seg_version, episode.seg_t0, episode.seg_done = version, t, done
 
     def realise(self, engine: EngineState, opened: list[Episode]) -> None:
         """A hook when `opened` episodes join `engine`'s batch, before their turn's end is scheduled from
@@ -243,49 +264,66 @@ class _Simulation:
     def schedule(self, engine: EngineState) -> None:
         """Schedule the engine's next own event: a turn ending, or the cache overflowing."""
         engine.epoch += 1
-        if not engine.rows:
+        rows = engine.rows
+        if not rows:
             return
-        finishing = engine.finishing
+        finishing, running = engine.finishing, engine.running
         while finishing:
             _, uid, run = finishing[0]
-            episode = engine.running.get(uid)
+            episode = running.get(uid)
             if episode is not None and episode.run == run:
                 break
-            heapq.heappop(finishing)
+            heappop(finishing)
         if not finishing:
             raise RuntimeError(f"engine {engine.index} lost track of its {engine.rows} running sequences")
-        rows, s_now, kv = engine.rows, engine.s, engine.kv
-        target = max(finishing[0][0], s_now)
+        s_now, kv = engine.s, engine.kv
+        first = finishing[0][0]
+        target = s_now if s_now > first else first  # max(first, s_now)
         overflow = False
         if rows > 1:
-            room = (self.inference.kv_capacity_tokens - kv) / rows
+            room = (self.kv_capacity - kv) / rows
             if s_now + room < target:
                 target, overflow = s_now + max(room, 0.0), True
         steps = target - s_now
-        alpha = self.base_s + self.row_s * rows + self.kv_s * kv
-        when = engine.t + alpha * steps + self.kv_s * rows * steps * steps / 2
+        kv_s = self.kv_s
+        alpha = self.base_s + self.row_s * rows + kv_s * kv
+        when = engine.t + alpha * steps + kv_s * rows * steps * steps / 2
         self.sequence += 1
-        heapq.heappush(self.events, (when, self.sequence, _ENGINE, (engine, engine.epoch, target, overflow)))
+        heappush(self.events, (when, self.sequence, _ENGINE, (engine, engine.epoch, target, overflow)))
 
     def engine_event(self, engine: EngineState, epoch: int, target: float, overflow: bool) -> None:
-        if epoch != engine.epoch:
-            return
+        """The engine reached the step it was scheduled for (`run` drops events of an older `epoch`):
+        retract on overflow, end the turns due, admit, reschedule."""
         self.advance(engine, self.now)
         engine.kv += engine.rows * (target - engine.s)  # snap to the exact step (float rounding)
         engine.s = target
         if overflow:
             self.retract(engine, engine.running[next(reversed(engine.running))])
-        finishing = engine.finishing
+        finishing, running = engine.finishing, engine.running
+        limit = target + _EPS
         ended: list[Episode] = []
-        while finishing and finishing[0][0] <= engine.s + _EPS:
-            _, uid, run = heapq.heappop(finishing)
-            episode = engine.running.get(uid)
+        while finishing and finishing[0][0] <= limit:
+            _, uid, run = heappop(finishing)
+            episode = running.get(uid)
             if episode is not None and episode.run == run:
                 ended.append(episode)
-        for episode in ended:
-            self.end_turn(engine, episode)
-        for episode in ended:
-            self.after_turn(episode, engine.version)
+        if ended:
+            now, version = self.now, engine.version
+            for episode in ended:  # end_turn, inlined: the hot loop
+                responses, turn_index = episode.responses, episode.turn
+                turn = responses[turn_index]
+                tokens = turn - episode.seg_done
+                if tokens > 0:
+                    reason = "stop" if turn_index == len(responses) - 1 else "tool_call"
+                    episode.parts.append(
+                        (Origin.MODEL, tokens, episode.seg_version, episode.seg_t0, now, reason)
+                    )
+                episode.seg_done = turn
+                self.remove(engine, episode)
+                episode.cached, episode.cache_version = episode.base_context + turn, version
+            after_turn = self.after_turn
+            for episode in ended:
+                after_turn(episode, version)
         if not overflow:  # a retracted request must not walk straight back into the full cache
             self.admit(engine)
         self.schedule(engine)
@@ -318,14 +356,6 @@ class _Simulation:
         episode.cached = 0
         engine.queue.appendleft(episode)
         self.stats.retractions += 1
-
-    def end_turn(self, engine: EngineState, episode: Episode) -> None:
-        """Take a finished turn out of the batch (its follow-up comes from `after_turn`)."""
-        turn = episode.responses[episode.turn]
-        last = episode.turn == len(episode.responses) - 1
-        self.close_segment(episode, turn, self.now, "stop" if last else "tool_call")
-        self.remove(engine, episode)
-        episode.cached, episode.cache_version = episode.base_context + turn, engine.version
 
     def after_turn(self, episode: Episode, version: int) -> None:
         """Call the tool, or finish the episode (and its group: the records go to the pool). Runs after

@@ -21,6 +21,9 @@ from collections.abc import Sequence
 from agents.trajectory import Origin, Segment, Status, Trajectory
 from pacerl.lab.state import Episode
 
+_new_segment = Segment.__new__
+_new_trajectory = Trajectory.__new__
+
 
 class RecordMaker:
     """Builds the records of finished episodes, `block` real tokens to a record token; segments of one
@@ -30,22 +33,33 @@ class RecordMaker:
         self.block = block
         self._templates: dict[int, Segment] = {}
         self._tool_segments: dict[int, Segment] = {}
+        self._prompts: dict[int, Segment] = {}
 
     def blocks(self, tokens: int) -> int:
         """Record tokens standing for `tokens` real ones (at least one)."""
         return max(1, round(tokens / self.block)) if self.block > 1 else tokens
 
     def prompt(self, tokens: int) -> Segment:
-        """The prompt segment a group's members share."""
-        return Segment(Origin.PROMPT, (0,) * self.blocks(tokens))
+        """The prompt segment a group's members share (one per length: segments are immutable)."""
+        count = self.blocks(tokens)
+        prompt = self._prompts.get(count)
+        if prompt is None:
+            prompt = self._prompts[count] = Segment(Origin.PROMPT, (0,) * count)
+        return prompt
 
     def record(self, episode: Episode, prompt: Segment, version: int, now: float) -> Trajectory:
         """The finished episode as a real Trajectory (synthetic token ids; see `token_block`), completed
         at trainer version `version` and time `now`; the group's members share one prompt segment and
-        tool segments of one length are shared too."""
+        tool segments of one length are shared too.
+
+        Built without `Trajectory.__init__`, whose validation (a JSON round trip of `env_info` among
+        it) was the largest cost of a run after the segments': the record holds exactly the fields
+        the constructor would set (a test compares the two), and the checks below are those whose
+        outcome depends on the simulation rather than on how this method builds the record."""
         group, block = episode.group, self.block
         segments = [prompt]
-        tools = self._tool_segments
+        tools, templates = self._tool_segments, self._templates
+        latest = 0
         for origin, tokens, seg_version, started, ended, reason in episode.parts:
             count = max(1, round(tokens / block)) if block > 1 else tokens
             if origin is Origin.TOOL:
@@ -53,9 +67,34 @@ class RecordMaker:
                 if tool is None:
                     tool = tools[count] = Segment(Origin.TOOL, (2,) * count)
                 segments.append(tool)
-            else:
-                segments.append(self.model_segment(count, seg_version, started, ended, reason))
-        return Trajectory(
+                continue
+            template = templates.get(count)
+            if template is None:
+                template = templates[count] = Segment(
+                    Origin.MODEL, (1,) * count, (-1.0,) * count, 0, 0.0, 0.0, "stop"
+                )
+            if not (seg_version >= 0 and 0.0 <= started <= ended and reason):
+                raise RuntimeError(
+                    f"invalid simulated segment: v{seg_version} [{started}, {ended}] {reason!r}"
+                )
+            # Segment's constructor re-validates every token and log-prob; a copy of a validated
+            # template of this length keeps them and sets the four fields checked above (frozen: the
+            # fields go straight into the instance dict, as the dataclass's __init__ puts them)
+            segment = _new_segment(Segment)
+            segment.__dict__.update(
+                template.__dict__,
+                version=seg_version,
+                started_at=started,
+                ended_at=ended,
+                finish_reason=reason,
+            )
+            segments.append(segment)
+            if seg_version > latest:
+                latest = seg_version
+        if not (version >= latest and math.isfinite(now)):
+            raise RuntimeError(f"invalid simulated record: completed at v{version} (latest v{latest}), {now}")
+        record = _new_trajectory(Trajectory)
+        record.__dict__.update(
             id=f"{group.id}-{episode.index}",
             group_id=group.id,
             task_id=group.id,
@@ -63,28 +102,11 @@ class RecordMaker:
             status=Status.COMPLETED,
             status_reason="answered",
             reward=0.0,
+            env_info={},
             completed_version=version,
             completed_at=now,
         )
-
-    def model_segment(self, count: int, version: int, started: float, ended: float, reason: str) -> Segment:
-        """A model segment of `count` tokens: a copy of a validated template of that length with its own
-        version, times and finish reason. Segment's constructor re-validates every token and log-prob,
-        which made it the largest cost of a run; the copy keeps the validated tokens and checks the
-        four fields it sets (the Trajectory built from it validates the whole record again)."""
-        template = self._templates.get(count)
-        if template is None:
-            template = self._templates[count] = Segment(
-                Origin.MODEL, (1,) * count, (-1.0,) * count, 0, 0.0, 0.0, "stop"
-            )
-        if not (version >= 0 and 0.0 <= started <= ended and reason):
-            raise RuntimeError(f"invalid simulated segment: v{version} [{started}, {ended}] {reason!r}")
-        segment = Segment.__new__(Segment)
-        # frozen: the fields go straight into the instance dict, as the dataclass's __init__ puts them
-        segment.__dict__.update(
-            template.__dict__, version=version, started_at=started, ended_at=ended, finish_reason=reason
-        )
-        return segment
+        return record
 
 
 class DriftScorer:

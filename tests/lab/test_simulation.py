@@ -576,3 +576,17 @@ def test_results_equal_those_recorded_before_the_speed_ups(name: str) -> None:
     assert {"async": recorded_summary(result.async_run), "sync": recorded_summary(result.sync_run)} == (
         RECORDED[name]
     )
+
+
+def test_records_equal_those_their_constructors_build() -> None:
+    # pacerl.lab.records builds segments and records without their constructors' validation
+    drawn: list[Trajectory] = []
+    simulate_mode(
+        recorded_case("max_age"), "async", lambda batch, version: drawn.extend(itertools.chain(*batch))
+    )
+    assert len(drawn) == 584
+    for record in drawn[::7]:
+        segments = tuple(Segment(**vars(segment)) for segment in record.segments)
+        built = Trajectory(**{**vars(record), "segments": segments})
+        assert built == record and vars(built).keys() == vars(record).keys()
+        assert [vars(s) for s in built.segments] == [vars(s) for s in record.segments]
