@@ -476,9 +476,11 @@ class _Simulation:
         duration = self.config.colocated_switch_s if self.colocated else self.config.weight_sync_s
         reprefill = self.config.interrupt == "reprefill"
         now, version = self.now, self.version
+        prefill_rate, model = self.inference.prefill_tokens_per_s, Origin.MODEL
         for engine in self.engines:
             self.advance(engine, now)
-            stall = engine.kv / self.inference.prefill_tokens_per_s if reprefill and engine.rows else 0.0
+            rows = engine.rows
+            stall = engine.kv / prefill_rate if reprefill and rows else 0.0
             resume = max(engine.t, now) + duration + stall
             engine.paused_s += duration
             engine.busy_s += stall
@@ -486,22 +488,20 @@ class _Simulation:
             s_now = engine.s
             for episode in engine.running.values():  # close_segment at done_now, inlined: the hot loop
                 turn = episode.responses[episode.turn]
-                done = min(max(round(turn - (episode.finish_s - s_now)), episode.seg_done), turn - 1)
-                if done > episode.seg_done:
+                seg_done = episode.seg_done
+                done = round(turn - (episode.finish_s - s_now))
+                if done < seg_done:
+                    done = seg_done
+                if done > turn - 1:
+                    done = turn - 1
+                if done > seg_done:
                     episode.parts.append(
-                        (
-                            Origin.MODEL,
-                            done - episode.seg_done,
-                            episode.seg_version,
-                            episode.seg_t0,
-                            now,
-                            "abort",
-                        )
+                        (model, done - seg_done, episode.seg_version, episode.seg_t0, now, "abort")
                     )
                 episode.seg_done, episode.seg_version, episode.seg_t0 = done, version, resume
                 episode.cache_version = version
-            self.stats.interruptions += engine.rows
-            if engine.rows:
+            self.stats.interruptions += rows
+            if rows:
                 self.schedule(engine)
         self.push(now + duration, _PUBLISHED, None)
 

@@ -81,31 +81,28 @@ class RecordMaker:
             # template of this length keeps them and sets the four fields checked above (frozen: the
             # fields go straight into the instance dict, as the dataclass's __init__ puts them)
             segment = _new_segment(Segment)
-            segment.__dict__.update(
-                template.__dict__,
-                version=seg_version,
-                started_at=started,
-                ended_at=ended,
-                finish_reason=reason,
-            )
+            fields = segment.__dict__
+            fields.update(template.__dict__)
+            fields["version"], fields["started_at"], fields["ended_at"] = seg_version, started, ended
+            fields["finish_reason"] = reason
             segments.append(segment)
             if seg_version > latest:
                 latest = seg_version
         if not (version >= latest and math.isfinite(now)):
             raise RuntimeError(f"invalid simulated record: completed at v{version} (latest v{latest}), {now}")
         record = _new_trajectory(Trajectory)
-        record.__dict__.update(
-            id=f"{group.id}-{episode.index}",
-            group_id=group.id,
-            task_id=group.id,
-            segments=tuple(segments),
-            status=Status.COMPLETED,
-            status_reason="answered",
-            reward=0.0,
-            env_info={},
-            completed_version=version,
-            completed_at=now,
-        )
+        record.__dict__ = {
+            "id": f"{group.id}-{episode.index}",
+            "group_id": group.id,
+            "task_id": group.id,
+            "segments": tuple(segments),
+            "status": Status.COMPLETED,
+            "status_reason": "answered",
+            "reward": 0.0,
+            "env_info": {},
+            "completed_version": version,
+            "completed_at": now,
+        }
         return record
 
 

@@ -166,27 +166,33 @@ class RunStats:
     def account(self, batch: Sequence[Sequence[Trajectory]], v_now: int) -> None:
         """Add a drawn batch: its staleness at the trainer's version `v_now`, token-weighted, from the
         records."""
-        gs_sum = ws_sum = tokens = 0
+        gs_sum = ws_sum = tokens = segments = 0
+        gs_hist, ws_hist, last = self.gs_hist, self.ws_hist, HIST_BINS - 1
+        oldest = v_now - self.max_staleness
         for group in batch:
             for trajectory in group:
                 v_done = trajectory.completed_version
                 if v_done is None:
                     raise RuntimeError(f"{trajectory.id} was drawn unfinished")
-                ws = v_now - v_done
+                model = 0
                 for segment in trajectory.segments:
                     version = segment.version
                     if version is None:
                         continue
                     count = len(segment.tokens)
                     gs = v_done - version
-                    self.gs_hist[min(gs, HIST_BINS - 1)] += count
+                    gs_hist[gs if gs < last else last] += count
                     gs_sum += gs * count
-                    tokens += count
-                    self.max_staleness = max(self.max_staleness, v_now - version)
-                    self.model_segments += 1
-                model = sum(len(s.tokens) for s in trajectory.segments if s.version is not None)
-                self.ws_hist[min(ws, HIST_BINS - 1)] += model
+                    model += count
+                    segments += 1
+                    if version < oldest:
+                        oldest = version
+                ws = v_now - v_done
+                ws_hist[ws if ws < last else last] += model
                 ws_sum += ws * model
+                tokens += model
+        self.max_staleness = v_now - oldest
+        self.model_segments += segments
         count = sum(len(group) for group in batch)
         self.trained_trajectories += count
         self.step_trajectories.append(count)
