@@ -10,7 +10,8 @@ batch at once and its caller is answered; the last row moves into its place (one
 columns no row needs any more are dropped by moving the cache's start (nothing copied). Sampling,
 log-probs and routed experts are computed for all rows together, with one transfer to the host per
 forward. Forward passes run on a worker thread, so the event loop (and the envs' tool calls) keep
-going while the model computes.
+going while the model computes; the worker steps back to back while there is work (one hand-over
+per burst, not per step) and hands the batch back when a weight update waits.
 
 A weight update waits for the current step, loads the new tensors in place and bumps the version;
 in-flight requests carry on under the new weights. `interrupt="reprefill"` (AReaL-style) first
@@ -24,13 +25,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import numpy as np
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.models import moe_info
@@ -135,6 +140,102 @@ def _find_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
         return []
 
 
+@dataclass
+class _Packed:
+    """One packed forward (`_SlotCache.pack`): running rows in slots `[0, decode)` feed one token each
+    in column `end`, then new rows feed their whole prompts, ending in that column."""
+
+    decode: int
+    """Running rows (the first `decode` tokens of the forward)."""
+    start: int
+    """The first column a running row attends to."""
+    end: int
+    """The column of the forward's last input, in every row."""
+    mask: torch.Tensor
+    """`[decode, 1, 1, end + 1 - start]`: the running rows' attention mask."""
+    width: int = 0
+    """The longest new prompt; the new rows' inputs are left-padded to it."""
+    real: torch.Tensor | None = None
+    """`[prompt tokens]`: where the real tokens are among the new rows' `new rows * width` left-padded
+    positions."""
+    prompt_mask: torch.Tensor | None = None
+    """`[new rows, 1, width, width]`: causal attention among each prompt's real tokens (padding
+    queries see themselves only, to stay finite; they are dropped)."""
+    query_index: torch.Tensor | None = None
+    """`[new rows, width]`: the packed position of each left-padded prompt token."""
+    slots: torch.Tensor | None = None
+    """`[tokens]`: the slot each packed token's keys go to (None: decoding only)."""
+    columns: torch.Tensor | None = None
+    """`[tokens]`: the column they go to."""
+    calls: int = 0
+    """Attention calls made so far (one per layer)."""
+
+    def attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
+        """Attention output `[1, tokens, heads, head_dim]` of the packed `query` `[1, heads, tokens,
+        head_dim]` against the cache's buffers `[slots, kv_heads, columns, head_dim]`: each running row
+        over its own columns, each prompt causally over itself; the same arithmetic as transformers'
+        SDPA attention on a left-padded batch."""
+        self.calls += 1
+        heads, kv_heads = query.shape[1], keys.shape[1]
+        groups, rows = heads // kv_heads, self.decode
+        outputs = []
+        if rows:
+            # One query per row: its heads grouped by key/value head (transformers' `pack_gqa`).
+            grouped = query[0, :, :rows].transpose(0, 1).reshape(rows, kv_heads, groups, -1)
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                grouped,
+                keys[:rows, :, self.start : self.end + 1],
+                values[:rows, :, self.start : self.end + 1],
+                attn_mask=self.mask,
+                scale=scaling,
+            )
+            outputs.append(attended.reshape(rows, heads, -1))
+        if self.query_index is not None:
+            assert self.prompt_mask is not None and self.real is not None
+            count, first = self.query_index.shape[0], self.end + 1 - self.width
+            prompts = query[0][:, self.query_index].transpose(0, 1)  # [new rows, heads, width, head_dim]
+            new = slice(rows, rows + count)
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                prompts,
+                keys[new, :, first : self.end + 1].repeat_interleave(groups, dim=1),
+                values[new, :, first : self.end + 1].repeat_interleave(groups, dim=1),
+                attn_mask=self.prompt_mask,
+                scale=scaling,
+            )
+            flat = attended.transpose(1, 2).reshape(count * self.width, heads, -1)
+            outputs.append(flat.index_select(0, self.real))  # [prompt tokens, heads, head_dim]
+        return torch.cat(outputs)[None] if len(outputs) > 1 else outputs[0][None]
+
+
+_SLOT_ATTENTION = "pacerl_slots"
+"""The name the engine's attention function is registered under in transformers' AttentionInterface."""
+
+
+def _slot_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    slot_plan: _Packed | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The engine's attention function (transformers' AttentionInterface): a packed forward's attention
+    (`_Packed.attend`); any other call is transformers' SDPA attention."""
+    if slot_plan is None:
+        output: tuple[torch.Tensor, None] = sdpa_attention_forward(
+            module, query, key, value, attention_mask, **kwargs
+        )
+        return output
+    for name in ("sliding_window", "softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the engine's packed attention does not support {name}")
+    return slot_plan.attend(query, key, value, kwargs.get("scaling")), None
+
+
 class _SlotLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # untyped in transformers
     """One decoder layer's keys and values, `[slots, kv_heads, columns, head_dim]`, in a `_SlotCache`."""
 
@@ -158,16 +259,27 @@ class _SlotLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # untyped i
             self.lazy_initialization(key_states, value_states)
         keys, values = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)
         owner = self.owner
+        if owner.packed is not None:  # [1, kv_heads, tokens, head_dim]: each token to its row and column
+            packed = owner.packed
+            new_keys, new_values = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+            if packed.slots is None:  # decoding only: one column
+                keys[: packed.decode, :, packed.end] = new_keys
+                values[: packed.decode, :, packed.end] = new_values
+            else:
+                keys[packed.slots, :, packed.columns] = new_keys
+                values[packed.slots, :, packed.columns] = new_values
+            return keys, values
         rows, end = slice(owner.lo, owner.hi), owner.write + key_states.shape[2]
         keys[rows, :, owner.write : end] = key_states
         values[rows, :, owner.write : end] = value_states
         return keys[rows, :, owner.read : end], values[rows, :, owner.read : end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.write - self.owner.read + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.owner.write - self.owner.read
+        """Past keys the forward's first query sees (a packed forward's attention ignores it)."""
+        return 0 if self.owner.packed is not None else self.owner.write - self.owner.read
 
     def get_max_length(self) -> int:
         return -1
@@ -196,6 +308,8 @@ class _SlotCache(Cache):
         self.end = 0
         self.lo = self.hi = self.read = self.write = 0
         """The forward in progress: rows [lo, hi) write columns from `write` on and attend from `read`."""
+        self.packed: _Packed | None = None
+        """The packed forward in progress, if it is one (`pack`)."""
 
     @property
     def rows(self) -> int:
@@ -237,8 +351,51 @@ class _SlotCache(Cache):
         return self.mask[:rows, start : end + 1]
 
     def advance(self) -> None:
-        """The decode forward set up by `decode` is done: its column is used."""
+        """The decode forward set up by `decode` or `pack` is done: its column is used."""
         self.end += 1
+        self.packed = None
+
+    def pack(self, mask: torch.Tensor | None, lengths: Sequence[int]) -> _Packed:
+        """Set up a packed forward: every running row feeds one token in column `end`, then new rows
+        (`mask` `[rows, width]` marks the `lengths` real tokens of their left-padded prompts) feed their
+        prompts into the next free slots, ending in that same column; the tokens go in that order."""
+        rows, count = self.rows, len(lengths)
+        width = 0 if mask is None else mask.shape[1]
+        if not rows:
+            self.end = 0
+        self._make_room(rows + count, max(width - 1, 0))
+        start, end = self.start, self.end
+        device = self.mask.device
+        self.mask[:rows, end] = True
+        packed = _Packed(rows, start, end, self.mask[:rows, None, None, start : end + 1])
+        if mask is not None:
+            first = end + 1 - width
+            if rows and first < start:  # the running rows do not attend to the columns added on their left
+                self.mask[:rows, first:start] = False
+            self.mask[rows : rows + count, min(first, start) : first] = False
+            self.mask[rows : rows + count, first : end + 1] = mask
+            self.starts.extend(end + 1 - length for length in lengths)
+            # Index tensors built on the host from `lengths`, then moved once (no device syncs).
+            sizes = torch.tensor(lengths)
+            padding = width - sizes
+            steps = torch.arange(width)
+            offsets = rows + sizes.cumsum(0) - sizes  # each prompt's first packed position
+            real = (steps[None, :] >= padding[:, None]).flatten()
+            within = torch.arange(int(sizes.sum())) - (offsets - rows).repeat_interleave(sizes)
+            causal = steps[:, None] >= steps[None, :]
+            itself = torch.eye(width, dtype=torch.bool, device=device)[None]
+            packed.width = width
+            packed.real = real.nonzero().squeeze(1).to(device)
+            packed.prompt_mask = ((causal.to(device) & mask[:, None, :]) | itself)[:, None]
+            queries = offsets[:, None] + steps[None, :] - padding[:, None]  # padding: any real token
+            packed.query_index = queries.clamp(min=0).to(device)
+            new_slots = torch.arange(rows, rows + count).repeat_interleave(sizes)
+            packed.slots = torch.cat([torch.arange(rows), new_slots]).to(device)
+            packed.columns = torch.cat(
+                [torch.full((rows,), end), end + 1 - sizes.repeat_interleave(sizes) + within]
+            ).to(device)
+        self.packed = packed
+        return packed
 
     def remove(self, leaving: Sequence[int]) -> tuple[list[int], list[int]]:
         """Drop the rows `leaving`; the last rows move into their slots. Returns the moves as
@@ -340,12 +497,22 @@ class EmbeddedEngine:
         self._rows: list[_Request] = []
         layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
         self._cache = _SlotCache(layers, self.config.max_batch, self.device)
+        self._packed = _packable(model)
+        """One forward per step, the joining prompts packed after the running rows' tokens (the engine's
+        own attention), where the model's attention allows; else a prefill forward, then a decode one."""
+        self._joining: list[_Request] = []
+        """The requests joining in this step's packed forward."""
+        if self._packed:
+            AttentionInterface.register(_SLOT_ATTENTION, _slot_attention)
+            AttentionMaskInterface.register(_SLOT_ATTENTION, sdpa_mask)
         self._positions = torch.zeros(self.config.max_batch, dtype=torch.long, device=self.device)
         """Each row's next input position."""
         self._last = torch.zeros(self.config.max_batch, dtype=torch.long, device=self.device)
         """Each row's last sampled token: its next input."""
         self._step_lock = asyncio.Lock()
         self._wake = asyncio.Event()
+        self._pausing = 0
+        """Weight updates waiting for the worker to hand the batch back."""
         self._loop_task: asyncio.Task[None] | None = None
         self._bound_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -419,11 +586,15 @@ class EmbeddedEngine:
         if version <= self._version:
             raise ValueError(f"the new version {version} must exceed the current {self._version}")
         self._bind()
-        async with self._step_lock:
-            await asyncio.to_thread(self._load, state_dict, version)
-            self._version = version
-            if self.config.interrupt == "reprefill" and self._rows:
-                await asyncio.to_thread(self._reprefill)
+        self._pausing += 1  # the worker hands the batch back after its current step
+        try:
+            async with self._step_lock:
+                await asyncio.to_thread(self._load, state_dict, version)
+                self._version = version
+                if self.config.interrupt == "reprefill" and self._rows:
+                    await asyncio.to_thread(self._reprefill)
+        finally:
+            self._pausing -= 1
 
     async def health(self) -> bool:
         """True while the engine accepts requests and its loop is alive."""
@@ -465,8 +636,8 @@ class EmbeddedEngine:
                     await self._wake.wait()
                     continue
                 async with self._step_lock:
-                    await asyncio.to_thread(self._step)
-                await asyncio.sleep(0)  # let callers, aborts and weight updates in between steps
+                    await asyncio.to_thread(self._serve)
+                await asyncio.sleep(0)  # let a weight update in
         except BaseException as error:  # a model failure must reach every waiting caller, not vanish
             for request in [*self._pending, *self._rows]:
                 if not request.future.done():
@@ -474,6 +645,13 @@ class EmbeddedEngine:
             self._pending, self._rows = [], []
             self._cache.clear()
             raise
+
+    def _serve(self) -> None:
+        """Step until no request is left or a weight update waits: one hand-over to the worker thread
+        for a burst of steps, not one per step. Requests, aborts and closing reach the steps through
+        `_pending` and the requests' flags."""
+        while (self._pending or self._rows) and not self._pausing:
+            self._step()
 
     def _step(self) -> None:
         """One engine step: admit waiting requests (one batched prefill), then decode every row. Rows
@@ -488,12 +666,14 @@ class EmbeddedEngine:
             elif len(self._rows) + len(admitted) < self.config.max_batch:
                 self._pending.remove(request)
                 admitted.append(request)
-        if admitted:
+        if self._packed:
+            self._joining = admitted
+        elif admitted:
             first_row = len(self._rows)
             logits = self._prefill(admitted, [r.prompt for r in admitted], record=True)
             self._emit(admitted, first_row, logits, None)
             self._release()
-        if self._rows:
+        if self._rows or self._joining:
             self._decode()
             self._release()
         self.steps += 1
@@ -535,6 +715,12 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def _decode(self) -> None:
+        """Decode one token for every row (packed: and prefill the requests joining in this step)."""
+        if self._packed:
+            joining, self._joining = self._joining, []
+            logits, routes = self._forward_packed(joining, [r.prompt for r in joining], record=True)
+            self._emit(self._rows, 0, logits, routes)
+            return
         rows = len(self._rows)
         mask = self._cache.decode()
         out = self.model(
@@ -553,12 +739,60 @@ class EmbeddedEngine:
             self._recorder.clear()
         self._emit(self._rows, 0, out.logits[:, -1], routes)
 
+    @torch.no_grad()
+    def _forward_packed(
+        self, joining: list[_Request], sequences: list[list[int]], record: bool
+    ) -> tuple[torch.Tensor, np.ndarray | None]:
+        """One forward for the whole batch: every running row feeds its last token, and `sequences` (of
+        the `joining` requests) are prefilled into new rows, all packed into one sequence of tokens
+        without padding. Adds the new rows; returns every row's next-token logits `[rows, vocab]` and,
+        when a running row wants them, the running rows' input routes `[running rows, layers, top_k]`."""
+        rows, lengths = len(self._rows), [len(seq) for seq in sequences]
+        mask = None
+        if sequences:
+            width = max(lengths)
+            padding = width - torch.tensor(lengths)
+            mask = (torch.arange(width)[None, :] >= padding[:, None]).to(self.device)
+        packed = self._cache.pack(mask, lengths)
+        prompts = torch.tensor([token for seq in sequences for token in seq], dtype=torch.long)
+        steps = torch.tensor([step for length in lengths for step in range(length)], dtype=torch.long)
+        ends = torch.tensor([rows - 1 + end for end in itertools.accumulate(lengths)], dtype=torch.long)
+        with _attention(self.model, _SLOT_ATTENTION):
+            out = self.model(
+                input_ids=torch.cat([self._last[:rows], prompts.to(self.device)])[None],
+                position_ids=torch.cat([self._positions[:rows], steps.to(self.device)])[None],
+                cache=self._cache,
+                use_cache=True,
+                logits_to_keep=torch.cat([torch.arange(rows), ends]).to(self.device),
+                slot_plan=packed,
+            )
+        if packed.calls != len(self._cache.slot_layers):
+            raise RuntimeError(
+                f"{packed.calls} attention calls for {len(self._cache.slot_layers)} layers: this model's "
+                "attention does not go through transformers' AttentionInterface"
+            )
+        self._cache.advance()
+        self._positions[:rows] += 1
+        wanted = any(r.want_routes for r in self._rows) or (record and any(r.want_routes for r in joining))
+        routes = self._recorder.take() if wanted else None  # [tokens, layers, top_k]
+        if routes is None:
+            self._recorder.clear()
+        elif record:
+            for request, end, length in zip(joining, ends.tolist(), lengths, strict=True):
+                if request.want_routes:
+                    request.routes.extend(routes[end + 1 - length : end + 1])
+        self._rows += joining
+        self._positions[rows : rows + len(joining)] = torch.tensor(lengths, device=self.device)
+        logits: torch.Tensor = out.logits[0]
+        return logits, None if routes is None else routes[:rows]
+
     def _emit(
         self, requests: Sequence[_Request], first_row: int, logits: torch.Tensor, routes: np.ndarray | None
     ) -> None:
         """Sample the next token of rows `first_row`.. (`requests`, in order) from `logits`
-        `[rows, vocab]`, record it with the row's input route, and decide which rows are finished. A
-        row aborted meanwhile gets no token (and its last input's route is not kept)."""
+        `[rows, vocab]`, record it with the row's input route (`routes` covers the first rows, those
+        that fed a decoded token), and decide which rows are finished. A row aborted meanwhile gets
+        no token (and its last input's route is not kept)."""
         uniforms = [
             r.rng.random() if r.finish is None and not r.aborted and r.sampling.temperature != 0 else 0.0
             for r in requests
@@ -572,7 +806,7 @@ class EmbeddedEngine:
             if request.aborted:
                 request.finish = FinishReason.ABORT
                 continue
-            if routes is not None and request.want_routes:
+            if routes is not None and row < len(routes) and request.want_routes:
                 request.routes.append(routes[row])
             token = int(token)
             request.tokens.append(token)
@@ -672,8 +906,36 @@ class EmbeddedEngine:
         self._cache.clear()
         # The last sampled token of each row has not been fed yet; everything before it is recomputed.
         # The routes recorded for those tokens stay: they are the ones the tokens were generated with.
-        self._prefill(rows, [r.prompt + r.tokens[:-1] for r in rows], record=False)
+        sequences = [r.prompt + r.tokens[:-1] for r in rows]
+        if self._packed:
+            self._forward_packed(rows, sequences, record=False)
+        else:
+            self._prefill(rows, sequences, record=False)
         self._last[: len(rows)] = torch.tensor([r.tokens[-1] for r in rows], device=self.device)
+
+
+def _packable(model: Any) -> bool:
+    """Whether the engine's packed attention computes what the model's own does: causal attention
+    over the whole context in every layer, through transformers' AttentionInterface."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None) or []
+    return (
+        getattr(config, "sliding_window", None) is None
+        and all(kind == "full_attention" for kind in layer_types)
+        and bool(getattr(model, "_supports_attention_backend", False))
+    )
+
+
+@contextmanager
+def _attention(model: Any, implementation: str) -> Iterator[None]:
+    """Run the decoder's attention through `implementation` inside the block; restored after."""
+    config = model.config.get_text_config(decoder=True)
+    previous = config._attn_implementation
+    config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
 
 
 def _set_result(future: asyncio.Future[Generation], generation: Generation) -> None:

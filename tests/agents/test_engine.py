@@ -4,6 +4,7 @@ tags across a weight update, routed experts, aborts and bad input."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from agents.engine.embedded import (
     EmbeddedEngine,
     EmbeddedEngineConfig,
     _GateRecorder,
+    _packable,
     _SlotCache,
 )
 from agents.engine.protocol import FinishReason, SamplingParams
@@ -21,12 +23,12 @@ from agents.engine.protocol import FinishReason, SamplingParams
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
 
 
-def tiny_moe(seed: int = 0) -> Qwen3MoeForCausalLM:
+def tiny_moe(seed: int = 0, **overrides: Any) -> Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
     config = Qwen3MoeConfig(
         vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128,
-        max_position_embeddings=256, eos_token_id=1, pad_token_id=0,
+        max_position_embeddings=256, eos_token_id=1, pad_token_id=0, **overrides,
     )  # fmt: skip
     return Qwen3MoeForCausalLM(config).eval()
 
@@ -54,9 +56,11 @@ def full_logprobs(model: Qwen3MoeForCausalLM, prompt: list[int], tokens: tuple[i
     return [float(table[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
 
 
-async def test_continuous_batching_matches_one_by_one_greedy() -> None:
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "prefill-then-decode"])
+async def test_continuous_batching_matches_one_by_one_greedy(packed: bool) -> None:
     model = tiny_moe()
     engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_batch=4))
+    engine._packed = packed  # the path of models whose attention the engine cannot pack, on this one
     prompts = [[5 + i % 7] * (2 + 3 * i) for i in range(10)]  # different lengths join and leave
     lengths = [3 + 2 * (i % 4) for i in range(10)]
     results = await asyncio.gather(
@@ -90,10 +94,12 @@ async def test_sampled_logprobs_are_those_of_the_sampling_distribution() -> None
     await again.aclose()
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "prefill-then-decode"])
 @pytest.mark.parametrize("interrupt", ["reprefill", "continue"])
-async def test_weight_update_mid_generation_tags_versions(interrupt: str) -> None:
+async def test_weight_update_mid_generation_tags_versions(interrupt: str, packed: bool) -> None:
     model = tiny_moe()
     engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(interrupt=interrupt))  # type: ignore[arg-type]
+    engine._packed = packed  # the path of models whose attention the engine cannot pack, on this one
     new_weights = {k: v + 0.05 * torch.randn_like(v) for k, v in tiny_moe(seed=1).state_dict().items()}
     prompt = [3, 4, 5, 6]
     task = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_new_tokens=20, temperature=0)))
@@ -412,3 +418,68 @@ async def test_rows_joining_a_long_running_batch_match_one_by_one_greedy() -> No
     for (prompt, length), result in zip(jobs, results, strict=True):
         assert list(result.tokens) == reference_greedy(model, prompt, length)
         assert result.logprobs == pytest.approx(full_logprobs(model, prompt, result.tokens), abs=1e-5)
+
+
+async def test_routes_of_requests_that_join_a_running_batch_are_their_own() -> None:
+    """A packed forward holds the running rows' tokens and the joining prompts: each request's routes
+    (prompt positions from the forward it joined in, then one per decoded input) are those a plain
+    forward over its own sequence chooses."""
+    model = tiny_moe()
+    engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_batch=3))
+    prompts = [[20 + i] * (3 + 4 * i) for i in range(6)]
+    lengths = [9, 3, 6, 4, 8, 5]
+    results = await asyncio.gather(
+        *(
+            engine.generate(p, SamplingParams(max_new_tokens=n, temperature=0), return_routed_experts=True)
+            for p, n in zip(prompts, lengths, strict=True)
+        )
+    )
+    await engine.aclose()
+    recorder = _GateRecorder(model)
+    for prompt, result in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            model(torch.tensor([prompt + list(result.tokens[:-1])]))
+        plain = recorder.take()
+        assert plain is not None and result.routed_experts is not None
+        assert (result.routed_experts == plain).all()
+    recorder.close()
+
+
+async def test_the_engine_runs_its_attention_only_inside_its_own_forwards() -> None:
+    """The packed forward switches the model to the engine's attention function for that forward
+    only: afterwards the model computes as before, through its own attention."""
+    model = tiny_moe()
+    assert _packable(model)
+    before = model.config._attn_implementation
+    prompt = [4, 5, 6, 7]
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits
+    engine = EmbeddedEngine(model)
+    await engine.generate(prompt, GREEDY)
+    await engine.aclose()
+    assert model.config._attn_implementation == before
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor([prompt])).logits, expected)
+
+
+async def test_a_model_the_engine_cannot_pack_runs_prefill_and_decode_forwards() -> None:
+    """A sliding-window model: the engine's packed attention would attend to the whole context, so it
+    runs the model's own attention (a prefill forward, then a decode forward per step) and matches
+    plain generation, whose window is shorter than the sequences."""
+    model = tiny_moe(use_sliding_window=True, sliding_window=6, max_window_layers=0)
+    assert not _packable(model)
+    engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_batch=4))
+    prompts = [[5 + i % 7] * (2 + 3 * i) for i in range(8)]
+    lengths = [3 + 2 * (i % 4) for i in range(8)]
+    results = await asyncio.gather(
+        *(
+            engine.generate(p, SamplingParams(max_new_tokens=n, temperature=0), return_routed_experts=True)
+            for p, n in zip(prompts, lengths, strict=True)
+        )
+    )
+    await engine.aclose()
+    for prompt, length, result in zip(prompts, lengths, results, strict=True):
+        assert list(result.tokens) == reference_greedy(model, prompt, length)
+        assert result.logprobs == pytest.approx(full_logprobs(model, prompt, result.tokens), abs=1e-5)
+        assert result.routed_experts is not None
+        assert result.routed_experts.shape == (len(prompt) + length - 1, 2, 2)
