@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -495,7 +496,8 @@ class EmbeddedEngine:
         self._ids = itertools.count()
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []
-        layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
+        self._text_config = model.config.get_text_config(decoder=True)
+        layers = int(self._text_config.num_hidden_layers)
         self._cache = _SlotCache(layers, self.config.max_batch, self.device)
         self._packed = _packable(model)
         """One forward per step, the joining prompts packed after the running rows' tokens (the engine's
@@ -748,22 +750,24 @@ class EmbeddedEngine:
         without padding. Adds the new rows; returns every row's next-token logits `[rows, vocab]` and,
         when a running row wants them, the running rows' input routes `[running rows, layers, top_k]`."""
         rows, lengths = len(self._rows), [len(seq) for seq in sequences]
-        mask = None
-        if sequences:
+        ids, positions = self._last[:rows], self._positions[:rows]
+        mask, keep, ends = None, None, list(itertools.accumulate(lengths, initial=rows - 1))[1:]
+        if sequences:  # else every position's logits are kept: one per running row
             width = max(lengths)
             padding = width - torch.tensor(lengths)
             mask = (torch.arange(width)[None, :] >= padding[:, None]).to(self.device)
+            prompts = torch.tensor([token for seq in sequences for token in seq], device=self.device)
+            steps = torch.tensor([step for length in lengths for step in range(length)], device=self.device)
+            ids, positions = torch.cat([ids, prompts]), torch.cat([positions, steps])
+            keep = torch.tensor([*range(rows), *ends], device=self.device)
         packed = self._cache.pack(mask, lengths)
-        prompts = torch.tensor([token for seq in sequences for token in seq], dtype=torch.long)
-        steps = torch.tensor([step for length in lengths for step in range(length)], dtype=torch.long)
-        ends = torch.tensor([rows - 1 + end for end in itertools.accumulate(lengths)], dtype=torch.long)
-        with _attention(self.model, _SLOT_ATTENTION):
+        with _attention(self._text_config, _SLOT_ATTENTION):
             out = self.model(
-                input_ids=torch.cat([self._last[:rows], prompts.to(self.device)])[None],
-                position_ids=torch.cat([self._positions[:rows], steps.to(self.device)])[None],
+                input_ids=ids[None],
+                position_ids=positions[None],
                 cache=self._cache,
                 use_cache=True,
-                logits_to_keep=torch.cat([torch.arange(rows), ends]).to(self.device),
+                logits_to_keep=0 if keep is None else keep,
                 slot_plan=packed,
             )
         if packed.calls != len(self._cache.slot_layers):
@@ -778,11 +782,12 @@ class EmbeddedEngine:
         if routes is None:
             self._recorder.clear()
         elif record:
-            for request, end, length in zip(joining, ends.tolist(), lengths, strict=True):
+            for request, end, length in zip(joining, ends, lengths, strict=True):
                 if request.want_routes:
                     request.routes.extend(routes[end + 1 - length : end + 1])
-        self._rows += joining
-        self._positions[rows : rows + len(joining)] = torch.tensor(lengths, device=self.device)
+        if joining:
+            self._rows += joining
+            self._positions[rows : rows + len(joining)] = torch.tensor(lengths, device=self.device)
         logits: torch.Tensor = out.logits[0]
         return logits, None if routes is None else routes[:rows]
 
@@ -926,16 +931,29 @@ def _packable(model: Any) -> bool:
     )
 
 
+_switched: dict[int, tuple[int, Any]] = {}
+"""Decoder configs whose attention engines have switched: id -> (forwards inside, what to restore)."""
+_switch_lock = threading.Lock()
+
+
 @contextmanager
-def _attention(model: Any, implementation: str) -> Iterator[None]:
-    """Run the decoder's attention through `implementation` inside the block; restored after."""
-    config = model.config.get_text_config(decoder=True)
-    previous = config._attn_implementation
-    config._attn_implementation = implementation
+def _attention(config: Any, implementation: str) -> Iterator[None]:
+    """Run the decoder's attention (`config`: its config) through `implementation` inside the block.
+    Engines sharing a model may overlap: the first one in switches, the last one out restores."""
+    with _switch_lock:
+        inside, previous = _switched.get(id(config), (0, config._attn_implementation))
+        if not inside:
+            config._attn_implementation = implementation
+        _switched[id(config)] = (inside + 1, previous)
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        with _switch_lock:
+            inside, previous = _switched.pop(id(config))
+            if inside > 1:
+                _switched[id(config)] = (inside - 1, previous)
+            else:
+                config._attn_implementation = previous
 
 
 def _set_result(future: asyncio.Future[Generation], generation: Generation) -> None:

@@ -4,6 +4,7 @@ tags across a weight update, routed experts, aborts and bad input."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import pytest
@@ -483,3 +484,25 @@ async def test_a_model_the_engine_cannot_pack_runs_prefill_and_decode_forwards()
         assert result.logprobs == pytest.approx(full_logprobs(model, prompt, result.tokens), abs=1e-5)
         assert result.routed_experts is not None
         assert result.routed_experts.shape == (len(prompt) + length - 1, 2, 2)
+
+
+async def test_engines_sharing_a_model_each_generate_what_they_would_alone() -> None:
+    """Two engines over one model, their forwards overlapping on their worker threads: each sees the
+    engines' attention for all its forward (the last one out restores the model's)."""
+    model = tiny_moe()
+    prompts = [[3 + i] * (4 + 5 * i) for i in range(8)]
+    sampling = SamplingParams(max_new_tokens=40, temperature=0)
+    first, second = EmbeddedEngine(model), EmbeddedEngine(model)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the worker threads take turns within each other's forwards
+    try:
+        together = await asyncio.gather(
+            *(engine.generate(p, sampling) for p in prompts for engine in (first, second))
+        )
+    finally:
+        sys.setswitchinterval(interval)
+    await first.aclose()
+    await second.aclose()
+    assert model.config._attn_implementation == "sdpa"
+    for prompt, a, b in zip(prompts, together[::2], together[1::2], strict=True):
+        assert list(a.tokens) == list(b.tokens) == reference_greedy(model, prompt, 40)
