@@ -772,9 +772,11 @@ class Learner:
         # Entropy and KL are token means: this chunk's share of the update's is its share of tokens.
         share = chunk_tokens / update_tokens
         loss = output.loss
-        entropy = entropy_from_logits(logits, mask, self.config.temperature)
-        if self.config.loss.entropy_coef:
-            loss = loss - self.config.loss.entropy_coef * entropy * share
+        entropy_coef = self.config.loss.entropy_coef
+        entropy = None
+        if entropy_coef:
+            entropy = entropy_from_logits(logits, mask, self.config.temperature)
+            loss = loss - entropy_coef * entropy * share
         kl = self._kl(logprobs, batch)
         if kl is not None:
             loss = loss + self.config.loss.kl_coef * kl * share
@@ -783,6 +785,12 @@ class Learner:
         if not counted:
             return ""
         with torch.no_grad():
+            if entropy is None:
+                # Only a diagnostic: taken after the backward pass and without a graph, so that its
+                # [tokens, vocab] intermediates are neither recorded nor held through the backward
+                # (the same value: the logits do not change). Non-finite logits on trained tokens
+                # ended the micro-batch above (`nonfinite_logprobs`), as entropy_from_logits would.
+                entropy = entropy_from_logits(logits, mask, self.config.temperature)
             # The shares' own entries: tokens (grpo, decoupled_ppo), sequences (gspo), groups (gmc).
             name = self.config.loss.name
             units = {"grpo": chunk_tokens, "decoupled_ppo": chunk_tokens, "gmc": len(set(groups.tolist()))}
