@@ -648,6 +648,7 @@ class EmbeddedEngine:
             self._cache.clear()
             raise
 
+    @torch.inference_mode()  # the cache and every forward: no autograd bookkeeping at all
     def _serve(self) -> None:
         """Step until no request is left or a weight update waits: one hand-over to the worker thread
         for a burst of steps, not one per step. Requests, aborts and closing reach the steps through
@@ -680,7 +681,6 @@ class EmbeddedEngine:
             self._release()
         self.steps += 1
 
-    @torch.no_grad()
     def _prefill(self, requests: list[_Request], sequences: list[list[int]], record: bool) -> torch.Tensor:
         """Run `sequences` through the model as one left-padded batch straight into free rows of the
         cache, add them as rows, and return each one's next-token logits."""
@@ -715,7 +715,6 @@ class EmbeddedEngine:
         logits: torch.Tensor = out.logits[:, -1]
         return logits
 
-    @torch.no_grad()
     def _decode(self) -> None:
         """Decode one token for every row (packed: and prefill the requests joining in this step)."""
         if self._packed:
@@ -741,7 +740,6 @@ class EmbeddedEngine:
             self._recorder.clear()
         self._emit(self._rows, 0, out.logits[:, -1], routes)
 
-    @torch.no_grad()
     def _forward_packed(
         self, joining: list[_Request], sequences: list[list[int]], record: bool
     ) -> tuple[torch.Tensor, np.ndarray | None]:
@@ -904,7 +902,7 @@ class EmbeddedEngine:
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             param.add_((noise * scale).to(device=param.device, dtype=param.dtype))
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _reprefill(self) -> None:
         """Rebuild every running row's KV cache under the current weights (AReaL's interruption)."""
         rows, self._rows = self._rows, []
