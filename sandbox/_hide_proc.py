@@ -13,14 +13,13 @@ to read files anywhere but below the entries of / other than /proc. Landlock gra
 so /proc goes whole (/proc/cpuinfo and /proc/self/status too); listing directories, writing and
 executing stay as they were, and /dev/stdin, pipes and memfds still open (their files are elsewhere).
 
-The launcher is a zygote in both modes: each process it forks (a run's process, an episode's
-interpreter) restricts itself first thing; the zygote, which runs no code of the user's, keeps /proc
-for its own checks.
+One-shot mode: the launcher itself becomes the code, so it is restricted at once, before it reads
+its job. Session mode: each process the zygote forks (an episode's interpreter) restricts itself
+first thing; the zygote, which runs no code of the user's, keeps /proc for its own checks.
 
-Where Landlock is unavailable no code runs: the zygote writes `HIDE_PROC_FAILED` and the reason on
-stderr and exits with `HIDE_PROC_EXIT` before it says it is ready (a forked process that fails to
-restrict itself does the same, before it reads its job). `DockerOptions.hide_proc=False` leaves this
-module out.
+Where Landlock is unavailable no code runs: the process writes `HIDE_PROC_FAILED` and the reason on
+stderr and exits with `HIDE_PROC_EXIT` (a one-shot launcher first reads its job, so the host's write
+succeeds and the exit is what it sees). `DockerOptions.hide_proc=False` leaves this module out.
 
 Standard library only; it must not import the project. Its names land in the launcher's namespace.
 """
@@ -35,8 +34,8 @@ HIDE_PROC_EXIT = 125
 """Exit status of a launcher whose restriction failed."""
 
 
-def hide_proc() -> None:
-    """Restrict every process forked from this one (checking first that the kernel can)."""
+def hide_proc(mode: str) -> None:
+    """Restrict this process (`oneshot`) or every process forked from it (`session`)."""
     libc = ctypes.CDLL(None, use_errno=True)
     read_file = 1 << 2  # LANDLOCK_ACCESS_FS_READ_FILE
     # Landlock's syscalls have the same numbers on every architecture.
@@ -84,14 +83,27 @@ def hide_proc() -> None:
         finally:
             os.close(ruleset)
 
-    def fail(error: OSError) -> None:
+    def fail(error: OSError, job_waiting: bool) -> None:
+        if job_waiting:  # read the job frame (`SIZE\n` + SIZE bytes) so the host's write succeeds
+            header = b""
+            while not header.endswith(b"\n") and (byte := os.read(0, 1)):
+                header += byte
+            left = int(header) if header.strip().isdigit() else 0
+            while left > 0 and (chunk := os.read(0, min(left, 1 << 20))):
+                left -= len(chunk)
         print(f"{HIDE_PROC_FAILED} {error}", file=sys.stderr, flush=True)
         os._exit(HIDE_PROC_EXIT)
 
+    if mode != "session":
+        try:
+            restrict()
+        except OSError as error:
+            fail(error, job_waiting=True)
+        return
     try:
-        os.close(new_ruleset())  # Landlock missing: fail now, not in every run
+        os.close(new_ruleset())  # Landlock missing: fail now, not in every episode
     except OSError as error:
-        fail(error)
+        fail(error, job_waiting=False)
     restricted: list[bool] = []
 
     def in_child() -> None:
@@ -101,10 +113,10 @@ def hide_proc() -> None:
         try:
             restrict()
         except OSError as error:
-            fail(error)
+            fail(error, job_waiting=False)
 
     os.register_at_fork(after_in_child=in_child)
 
 
 if __name__ == "__main__":
-    hide_proc()
+    hide_proc(sys.argv[1])  # argv as the launcher's: MODE STATUS_FD ...
