@@ -319,7 +319,11 @@ class _Simulation:
                         (Origin.MODEL, tokens, episode.seg_version, episode.seg_t0, now, reason)
                     )
                 episode.seg_done = turn
-                self.remove(engine, episode)
+                # remove, inlined: out of the batch with its exact (fractional) cache
+                decoded = turn - (episode.finish_s - target)
+                del running[episode.uid]
+                engine.rows -= 1
+                engine.kv = engine.kv - (episode.base_context + decoded) if engine.rows else 0.0
                 episode.cached, episode.cache_version = episode.base_context + turn, version
             after_turn = self.after_turn
             for episode in ended:
@@ -362,7 +366,10 @@ class _Simulation:
         every turn ending at this instant has left its engine, because a finished group may start new
         groups on that same engine."""
         if episode.turn < len(episode.responses) - 1:
-            self.push(self.now + episode.tool_latencies[episode.turn], _TOOL, episode)
+            self.sequence += 1
+            heappush(
+                self.events, (self.now + episode.tool_latencies[episode.turn], self.sequence, _TOOL, episode)
+            )
             return
         group = episode.group
         group.pending -= 1
@@ -394,8 +401,10 @@ class _Simulation:
 
     def make_records(self, group: Group, version: int) -> list[Trajectory]:
         """The finished group's records, completed at trainer version `version` and time now."""
-        prompt = self.records.prompt(group.prompt)
-        return [self.records.record(episode, prompt, version, self.now) for episode in group.members]
+        records, now = self.records, self.now
+        prompt = records.prompt(group.prompt)
+        record = records.record
+        return [record(episode, prompt, version, now) for episode in group.members]
 
     def drift(self, trajectories: Sequence[Trajectory]) -> list[float]:
         """PACE's drift scores of `trajectories` at the trainer's version (`DriftScorer`)."""

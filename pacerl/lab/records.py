@@ -58,11 +58,11 @@ class RecordMaker:
         outcome depends on the simulation rather than on how this method builds the record."""
         group, block = episode.group, self.block
         segments = [prompt]
-        tools, templates = self._tool_segments, self._templates
+        tools, templates, tool_origin = self._tool_segments, self._templates, Origin.TOOL
         latest = 0
         for origin, tokens, seg_version, started, ended, reason in episode.parts:
             count = max(1, round(tokens / block)) if block > 1 else tokens
-            if origin is Origin.TOOL:
+            if origin is tool_origin:
                 tool = tools.get(count)
                 if tool is None:
                     tool = tools[count] = Segment(Origin.TOOL, (2,) * count)
@@ -113,17 +113,19 @@ class DriftScorer:
     def __init__(self, seed: int, sigma: float) -> None:
         self.seed, self.sigma = seed, sigma
         self._normal = statistics.NormalDist()
+        self._prefix = zlib.crc32(f"{seed}:".encode())  # crc32 of "seed:id" continues from it
 
     def __call__(self, trajectories: Sequence[Trajectory], version: int) -> list[float]:
         """Sensitivity × token-mean version gap at trainer version `version`, one score a trajectory."""
         scores = []
+        prefix, inv_cdf, sigma = self._prefix, self._normal.inv_cdf, self.sigma
         for trajectory in trajectories:
             lag = tokens = 0
             for segment in trajectory.segments:
                 if segment.version is not None:
-                    lag += (version - segment.version) * len(segment.tokens)
-                    tokens += len(segment.tokens)
-            digest = zlib.crc32(f"{self.seed}:{trajectory.id}".encode())
-            z = self._normal.inv_cdf((digest + 0.5) / 2**32)
-            scores.append(math.exp(self.sigma * z) * lag / tokens if tokens else 0.0)
+                    count = len(segment.tokens)
+                    lag += (version - segment.version) * count
+                    tokens += count
+            z = inv_cdf((zlib.crc32(trajectory.id.encode(), prefix) + 0.5) / 2**32)
+            scores.append(math.exp(sigma * z) * lag / tokens if tokens else 0.0)
         return scores
