@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/pool.py
 	$(BIN)/python benchmarks/trainer.py
 	$(BIN)/python benchmarks/ray.py
+	$(BIN)/python benchmarks/simulate.py
 	$(BIN)/python benchmarks/summary.py --readme README.md
 
 # Mutation testing of the losses, the advantages and the pool's budget, ranking and draw order with

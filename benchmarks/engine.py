@@ -5,7 +5,9 @@
 - decode tokens/s of the embedded engine (continuous batching, 32 rows) against transformers'
   `generate` on the same tiny MoE, over 128 requests with long-tailed output lengths: `generate` runs
   batches of 32, each until its longest request is done; the engine refills rows as requests finish.
-  Both count only the tokens each request asked for;
+  Both count only the tokens each request asked for. The two run in turn `--repeats` times; the
+  figures are medians (of the speeds, and of each round's ratio), with the ratio of process CPU
+  times besides the wall-clock one: on a machine shared with other work it moves less;
 - the cost of routed-expert capture (R3) on the engine;
 - the cost of an interrupt-and-resume: a weight update with 32 requests in flight, under both
   interruption policies.
@@ -17,6 +19,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -92,6 +95,13 @@ async def interrupt_cost(model: Any, policy: str, jobs: list[tuple[list[int], in
     return elapsed
 
 
+async def timed(run: Any) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of awaiting `run`."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    await run
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     tokenizer = tiny_tokenizer()
@@ -101,20 +111,45 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     hf_generate(model, jobs[:4], 4)  # warm up both paths
     engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_batch=32))
     await engine_generate(engine, jobs[:4], routes=False)
-    hf_s = hf_generate(model, jobs, 32)
-    plain_s = await engine_generate(engine, jobs, routes=False)
-    routes_s = await engine_generate(engine, jobs, routes=True)
+
+    async def hf() -> None:
+        hf_generate(model, jobs, 32)
+
+    rounds: list[dict[str, tuple[float, float]]] = []
+    engine_steps = 0
+    for _ in range(args.repeats):
+        steps = engine.steps
+        rounds.append(
+            {
+                "hf": await timed(hf()),
+                "plain": await timed(engine_generate(engine, jobs, routes=False)),
+                "routes": await timed(engine_generate(engine, jobs, routes=True)),
+            }
+        )
+        engine_steps = (engine.steps - steps) // 2
     await engine.aclose()
+
+    def median(arm: str, cpu: bool = False) -> float:
+        return statistics.median(r[arm][cpu] for r in rounds)
+
+    ratios = [r["hf"][0] / r["plain"][0] for r in rounds]
     return {
         "torch_threads": args.threads,
         "model_parameters": parameter_count(model),
         "requests": len(jobs),
         "useful_tokens": useful,
-        "hf_generate_tok_per_s": round(useful / hf_s, 1),
-        "engine_tok_per_s": round(useful / plain_s, 1),
-        "engine_vs_hf": round(hf_s / plain_s, 2),
-        "engine_with_routes_tok_per_s": round(useful / routes_s, 1),
-        "routed_expert_capture_overhead": round(routes_s / plain_s - 1, 3),
+        "repeats": args.repeats,
+        "hf_generate_forwards": sum(max(n for _, n in jobs[i : i + 32]) for i in range(0, len(jobs), 32)),
+        "engine_forwards": engine_steps,
+        "hf_generate_tok_per_s": round(useful / median("hf"), 1),
+        "engine_tok_per_s": round(useful / median("plain"), 1),
+        "engine_vs_hf": round(statistics.median(ratios), 2),
+        "engine_vs_hf_runs": [round(ratio, 2) for ratio in ratios],
+        "engine_vs_hf_cpu_time": round(statistics.median(r["hf"][1] / r["plain"][1] for r in rounds), 2),
+        "engine_with_routes_tok_per_s": round(useful / median("routes"), 1),
+        "routed_expert_capture_overhead": round(
+            statistics.median(r["routes"][0] / r["plain"][0] - 1 for r in rounds), 3
+        ),
         "interrupt_reprefill_ms_32_requests": round(1000 * await interrupt_cost(model, "reprefill", jobs), 1),
         "interrupt_continue_ms_32_requests": round(1000 * await interrupt_cost(model, "continue", jobs), 1),
     }
@@ -124,6 +159,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results/engine.json")
     parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of the throughput comparison")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1 is fastest for a tiny model)"
     )

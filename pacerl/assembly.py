@@ -5,6 +5,7 @@ the engine, learner, driver and pool wired into a `trainer.loop.Run`, and the ba
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 import logging
@@ -257,8 +258,9 @@ def seed_everything(config: RunConfig) -> None:
 
 def build_twin(model: Any) -> Any:
     """The engine's own copy of the trained model: generation goes on while the learner updates its
-    weights, so the two cannot share parameters; weights reach the engine only by publication."""
-    twin = type(model)(model.config)
+    weights, so the two cannot share parameters; weights reach the engine only by publication. Nor a
+    config: the engine switches its model's attention function through the config while it steps."""
+    twin = type(model)(copy.deepcopy(model.config))
     twin.load_state_dict(model.state_dict())
     return twin.eval()
 

@@ -1,12 +1,21 @@
 """The embedded engine: a transformers causal LM on torch with continuous batching, a KV cache,
 per-token log-probs and versions, routed-expert capture, and in-place weight updates.
 
-Continuous batching: the running requests are the rows of one left-padded KV cache. Each engine step
-first prefills the requests waiting to join (one at a time; each joins the batch by padding the
-shorter side of the cache on the left), then decodes one token for every row. A finished or aborted
-row leaves the batch at once and its caller is answered; padding columns that no row needs any more
-are trimmed. Forward passes run on a worker thread, so the event loop (and the envs' tool calls) keep
-going while the model computes.
+Continuous batching: the running requests are the rows of one left-padded KV cache held in buffers
+that are allocated once and grown rarely (`_SlotCache`): every row's last input sits in the same
+column, so one decode step writes one column for all rows. Each engine step is one forward: every
+running row feeds its last sampled token, and the prompts of the requests waiting to join follow in
+the same sequence of tokens, unpadded, their keys going straight into free rows of the buffers. The
+engine's own attention function (registered in transformers' AttentionInterface, switched on for the
+engine's forwards only) lets each running row attend over its own columns and each prompt causally
+over itself. A model whose attention it cannot reproduce (a sliding window) gets a prefill forward,
+then a decode forward, per step, through its own attention. A finished or aborted row leaves the
+batch at once and its caller is answered; the last row moves into its place (one row copied), and
+columns no row needs any more are dropped by moving the cache's start (nothing copied). Sampling,
+log-probs and routed experts are computed for all rows together, with one transfer to the host per
+forward. Forward passes run on a worker thread, so the event loop (and the envs' tool calls) keep
+going while the model computes; the worker steps back to back while there is work (one hand-over
+per burst, not per step) and hands the batch back when a weight update waits.
 
 A weight update waits for the current step, loads the new tensors in place and bumps the version;
 in-flight requests carry on under the new weights. `interrupt="reprefill"` (AReaL-style) first
@@ -19,14 +28,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+import random
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import numpy as np
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.models import moe_info
@@ -72,7 +86,8 @@ class _Request:
     want_routes: bool
     routes_start: int
     future: asyncio.Future[Generation]
-    generator: torch.Generator
+    rng: random.Random
+    """This request's own stream of uniforms: its draws depend on its seed alone."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -86,7 +101,8 @@ class _Request:
 class _GateRecorder:
     """Forward hooks on each MoE router that keep the last forward's top-k expert indices.
 
-    Attached to this engine's model instance only (no module globals) and removed by `close`.
+    Attached to this engine's model instance only (no module globals) and removed by `close`. The
+    indices stay on the model's device until `take` moves all layers to the host in one transfer.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -98,7 +114,7 @@ class _GateRecorder:
         def record(module: torch.nn.Module, inputs: Any, output: Any) -> None:
             # An adapted router returns (logits, weights, indices) (agents.models.MoEAdapter).
             chosen = output[2]
-            self.indices[layer] = chosen.detach().reshape(-1, chosen.shape[-1]).to("cpu")
+            self.indices[layer] = chosen.detach().reshape(-1, chosen.shape[-1])
 
         return record
 
@@ -106,9 +122,13 @@ class _GateRecorder:
         """`[positions, layers, top_k]` from the last forward, or None for a dense model."""
         if not self.gates or any(i is None for i in self.indices):
             return None
-        stacked = np.stack([i.numpy() for i in self.indices if i is not None], axis=1)
+        stacked = torch.stack(cast(list[torch.Tensor], self.indices), dim=1).to(torch.int32)
+        self.clear()
+        return stacked.cpu().numpy()
+
+    def clear(self) -> None:
+        """Forget the last forward's indices (nobody asked for them)."""
         self.indices = [None] * len(self.gates)
-        return stacked.astype(np.int32)
 
     def close(self) -> None:
         for handle in self._handles:
@@ -123,6 +143,332 @@ def _find_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
         return list(moe_info(model).gates)
     except ValueError:  # dense, or UnsupportedMoEError
         return []
+
+
+@dataclass
+class _Packed:
+    """One packed forward (`_SlotCache.pack`): running rows in slots `[0, decode)` feed one token each
+    in column `end`, then new rows feed their whole prompts, ending in that column."""
+
+    decode: int
+    """Running rows (the first `decode` tokens of the forward)."""
+    start: int
+    """The first column a running row attends to."""
+    end: int
+    """The column of the forward's last input, in every row."""
+    mask: torch.Tensor | None
+    """`[decode, 1, 1, end + 1 - start]`: the running rows' attention mask (None: no row has padding)."""
+    width: int = 0
+    """The longest new prompt; the new rows' inputs are left-padded to it."""
+    real: torch.Tensor | None = None
+    """`[prompt tokens]`: where the real tokens are among the new rows' `new rows * width` left-padded
+    positions."""
+    prompt_mask: torch.Tensor | None = None
+    """`[new rows, 1, width, width]`: causal attention among each prompt's real tokens (padding
+    queries see themselves only, to stay finite; they are dropped)."""
+    query_index: torch.Tensor | None = None
+    """`[new rows, width]`: the packed position of each left-padded prompt token."""
+    slots: torch.Tensor | None = None
+    """`[tokens]`: the slot each packed token's keys go to (None: decoding only)."""
+    columns: torch.Tensor | None = None
+    """`[tokens]`: the column they go to."""
+    calls: int = 0
+    """Attention calls made so far (one per layer)."""
+    additive: torch.Tensor | None = None
+    """`mask` as SDPA adds it to the scores (0 or -inf), made at the first layer for all of them."""
+
+    def attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
+        """Attention output `[1, tokens, heads, head_dim]` of the packed `query` `[1, heads, tokens,
+        head_dim]` against the cache's buffers `[slots, kv_heads, columns, head_dim]`: each running row
+        over its own columns, each prompt causally over itself; the same arithmetic as transformers'
+        SDPA attention on a left-padded batch."""
+        self.calls += 1
+        heads, kv_heads = query.shape[1], keys.shape[1]
+        groups, rows = heads // kv_heads, self.decode
+        outputs = []
+        if rows:
+            # One query per row: its heads grouped by key/value head (transformers' `pack_gqa`).
+            grouped = query[0, :, :rows].transpose(0, 1).reshape(rows, kv_heads, groups, -1)
+            if self.mask is not None and self.additive is None:
+                self.additive = torch.zeros(self.mask.shape, dtype=query.dtype, device=query.device)
+                self.additive.masked_fill_(~self.mask, float("-inf"))
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                grouped,
+                keys[:rows, :, self.start : self.end + 1],
+                values[:rows, :, self.start : self.end + 1],
+                attn_mask=self.additive,
+                scale=scaling,
+            )
+            outputs.append(attended.reshape(rows, heads, -1))
+        if self.query_index is not None:
+            assert self.prompt_mask is not None and self.real is not None
+            count, first = self.query_index.shape[0], self.end + 1 - self.width
+            prompts = query[0][:, self.query_index].transpose(0, 1)  # [new rows, heads, width, head_dim]
+            new = slice(rows, rows + count)
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                prompts,
+                keys[new, :, first : self.end + 1].repeat_interleave(groups, dim=1),
+                values[new, :, first : self.end + 1].repeat_interleave(groups, dim=1),
+                attn_mask=self.prompt_mask,
+                scale=scaling,
+            )
+            flat = attended.transpose(1, 2).reshape(count * self.width, heads, -1)
+            outputs.append(flat.index_select(0, self.real))  # [prompt tokens, heads, head_dim]
+        return torch.cat(outputs)[None] if len(outputs) > 1 else outputs[0][None]
+
+
+_SLOT_ATTENTION = "pacerl_slots"
+"""The name the engine's attention function is registered under in transformers' AttentionInterface."""
+
+
+def _slot_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    slot_plan: _Packed | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The engine's attention function (transformers' AttentionInterface): a packed forward's attention
+    (`_Packed.attend`); any other call is transformers' SDPA attention."""
+    if slot_plan is None:
+        output: tuple[torch.Tensor, None] = sdpa_attention_forward(
+            module, query, key, value, attention_mask, **kwargs
+        )
+        return output
+    for name in ("sliding_window", "softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the engine's packed attention does not support {name}")
+    return slot_plan.attend(query, key, value, kwargs.get("scaling")), None
+
+
+class _SlotLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # untyped in transformers
+    """One decoder layer's keys and values, `[slots, kv_heads, columns, head_dim]`, in a `_SlotCache`."""
+
+    is_sliding = False
+
+    def __init__(self, owner: _SlotCache) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # untyped in transformers
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        slots, columns = self.owner.mask.shape
+        self.keys = key_states.new_zeros((slots, key_states.shape[1], columns, key_states.shape[3]))
+        self.values = value_states.new_zeros((slots, value_states.shape[1], columns, value_states.shape[3]))
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the forward's new columns in place; return the rows' keys and values it attends to."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)
+        owner = self.owner
+        if owner.packed is not None:  # [1, kv_heads, tokens, head_dim]: each token to its row and column
+            packed = owner.packed
+            new_keys, new_values = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+            if packed.slots is None:  # decoding only: one column
+                keys[: packed.decode, :, packed.end] = new_keys
+                values[: packed.decode, :, packed.end] = new_values
+            else:
+                keys[packed.slots, :, packed.columns] = new_keys
+                values[packed.slots, :, packed.columns] = new_values
+            return keys, values
+        rows, end = slice(owner.lo, owner.hi), owner.write + key_states.shape[2]
+        keys[rows, :, owner.write : end] = key_states
+        values[rows, :, owner.write : end] = value_states
+        return keys[rows, :, owner.read : end], values[rows, :, owner.read : end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Past keys the forward's first query sees (a packed forward's attention ignores it)."""
+        return 0 if self.owner.packed is not None else self.owner.write - self.owner.read
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _SlotCache(Cache):
+    """The running rows' KV cache in buffers allocated once and grown rarely: row r of the batch is
+    slot r of every layer's buffers, left-padded so that every row's last input sits in column
+    `end - 1` and a decode step writes column `end` for all rows.
+
+    Rows join in the free slots after the last row, their prompts left-padded to end at `end` (the
+    used columns move right first when a prompt is longer than `end`, which is rare: `end` only grows).
+    A row that leaves is replaced by the last row (one row copied). Columns left of every row's first
+    column are dropped by moving `start` (nothing copied). When column `end` runs past the buffers,
+    the used columns move to the front, and the buffers double when less than a quarter would be free.
+    `mask` marks, per slot and column, the positions a row attends to.
+    """
+
+    def __init__(self, num_layers: int, max_rows: int, device: torch.device) -> None:
+        self.slot_layers = [_SlotLayer(self) for _ in range(num_layers)]
+        super().__init__(layers=[*self.slot_layers])
+        self.max_rows = max_rows
+        self.mask = torch.zeros((0, 0), dtype=torch.bool, device=device)
+        self.starts: list[int] = []
+        """Each row's first column (its first real token)."""
+        self.end = 0
+        self.lo = self.hi = self.read = self.write = 0
+        """The forward in progress: rows [lo, hi) write columns from `write` on and attend from `read`."""
+        self.packed: _Packed | None = None
+        """The packed forward in progress, if it is one (`pack`)."""
+
+    @property
+    def rows(self) -> int:
+        return len(self.starts)
+
+    @property
+    def start(self) -> int:
+        """The first column any row uses."""
+        return min(self.starts, default=self.end)
+
+    def clear(self) -> None:
+        """No rows (the buffers stay for the next ones)."""
+        self.starts, self.end, self.packed = [], 0, None
+
+    def join(self, mask: torch.Tensor, lengths: Sequence[int]) -> None:
+        """Set up a forward that prefills new rows into the next free slots: `mask` `[rows, width]` marks
+        their left-padded inputs' real tokens (`lengths` of them), which end at column `end` like every
+        row's."""
+        count, width = mask.shape
+        rows = self.rows
+        if not rows:
+            self.end = 0
+        self._make_room(rows + count, width)
+        first, start = self.end - width, self.start
+        if rows and first < start:  # the running rows do not attend to the columns added on their left
+            self.mask[:rows, first:start] = False
+        self.mask[rows : rows + count, min(first, start) : first] = False
+        self.mask[rows : rows + count, first : self.end] = mask
+        self.starts.extend(self.end - length for length in lengths)
+        self.lo, self.hi, self.read, self.write = rows, rows + count, first, first
+
+    def decode(self) -> torch.Tensor:
+        """Set up a forward that feeds one token to every row; returns its attention mask."""
+        rows = self.rows
+        self._make_room(rows, 0)
+        start, end = self.start, self.end
+        self.mask[:rows, end] = True
+        self.lo, self.hi, self.read, self.write = 0, rows, start, end
+        return self.mask[:rows, start : end + 1]
+
+    def advance(self) -> None:
+        """The decode forward set up by `decode` or `pack` is done: its column is used."""
+        self.end += 1
+        self.packed = None
+
+    def pack(self, mask: torch.Tensor | None, lengths: Sequence[int]) -> _Packed:
+        """Set up a packed forward: every running row feeds one token in column `end`, then new rows
+        (`mask` `[rows, width]` marks the `lengths` real tokens of their left-padded prompts) feed their
+        prompts into the next free slots, ending in that same column; the tokens go in that order."""
+        rows, count = self.rows, len(lengths)
+        width = 0 if mask is None else mask.shape[1]
+        if not rows:
+            self.end = 0
+        self._make_room(rows + count, max(width - 1, 0))
+        start, end = self.start, self.end
+        device = self.mask.device
+        self.mask[:rows, end] = True
+        padded = any(first != start for first in self.starts)
+        packed = _Packed(rows, start, end, self.mask[:rows, None, None, start : end + 1] if padded else None)
+        if mask is not None:
+            first = end + 1 - width
+            if rows and first < start:  # the running rows do not attend to the columns added on their left
+                self.mask[:rows, first:start] = False
+            self.mask[rows : rows + count, min(first, start) : first] = False
+            self.mask[rows : rows + count, first : end + 1] = mask
+            self.starts.extend(end + 1 - length for length in lengths)
+            # Index tensors built on the host from `lengths`, then moved once (no device syncs).
+            sizes = torch.tensor(lengths)
+            padding = width - sizes
+            steps = torch.arange(width)
+            offsets = rows + sizes.cumsum(0) - sizes  # each prompt's first packed position
+            real = (steps[None, :] >= padding[:, None]).flatten()
+            within = torch.arange(int(sizes.sum())) - (offsets - rows).repeat_interleave(sizes)
+            causal = steps[:, None] >= steps[None, :]
+            itself = torch.eye(width, dtype=torch.bool, device=device)[None]
+            packed.width = width
+            packed.real = real.nonzero().squeeze(1).to(device)
+            packed.prompt_mask = ((causal.to(device) & mask[:, None, :]) | itself)[:, None]
+            queries = offsets[:, None] + steps[None, :] - padding[:, None]  # padding: any real token
+            packed.query_index = queries.clamp(min=0).to(device)
+            new_slots = torch.arange(rows, rows + count).repeat_interleave(sizes)
+            packed.slots = torch.cat([torch.arange(rows), new_slots]).to(device)
+            packed.columns = torch.cat(
+                [torch.full((rows,), end), end + 1 - sizes.repeat_interleave(sizes) + within]
+            ).to(device)
+        self.packed = packed
+        return packed
+
+    def remove(self, leaving: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Drop the rows `leaving`; the last rows move into their slots. Returns the moves as
+        (sources, destinations), for the caller's own per-row state."""
+        rows, gone = self.rows, set(leaving)
+        kept = rows - len(gone)
+        holes = [row for row in sorted(gone) if row < kept]
+        movers = [row for row in range(kept, rows) if row not in gone]
+        start, end = self.start, self.end
+        for hole, mover in zip(holes, movers, strict=True):
+            first = self.starts[mover]  # left of it, the mask hides whatever the slot holds
+            for buffer in self._buffers():
+                buffer[hole, :, first:end] = buffer[mover, :, first:end]
+            self.mask[hole, start:end] = self.mask[mover, start:end]
+            self.starts[hole] = first
+        del self.starts[kept:]
+        return movers, holes
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [
+            cast(torch.Tensor, tensor)
+            for layer in self.slot_layers
+            if layer.is_initialized
+            for tensor in (layer.keys, layer.values)
+        ]
+
+    def _make_room(self, rows: int, width: int) -> None:
+        """Slots for `rows` rows, `end >= width` and a free column at `end`; moves the used columns
+        to the front of the buffers (growing them) only when that is not so already."""
+        slots, columns = self.mask.shape
+        if rows <= slots and width <= self.end < columns:
+            return
+        used_rows, start, end = self.rows, self.start, self.end
+        new_end = max(end - start, width)
+        new_slots = slots if rows <= slots else min(self.max_rows, max(rows, 2 * slots))
+        new_columns = columns if 4 * (new_end + 1) <= 3 * columns else max(64, 2 * (new_end + 1))
+        target = slice(new_end - (end - start), new_end)
+        if (new_slots, new_columns) != (slots, columns):
+            for layer in self.slot_layers:
+                if layer.is_initialized:
+                    layer.keys, layer.values = (
+                        _moved(cast(torch.Tensor, old), used_rows, start, end, target, new_slots, new_columns)
+                        for old in (layer.keys, layer.values)
+                    )
+            grown = self.mask.new_zeros((new_slots, new_columns))
+            grown[:used_rows, target] = self.mask[:used_rows, start:end]
+            self.mask = grown
+        elif new_end != end:
+            for buffer in self._buffers():
+                buffer[:used_rows, :, target] = buffer[:used_rows, :, start:end].clone()
+            self.mask[:used_rows, target] = self.mask[:used_rows, start:end].clone()
+        self.starts = [first + new_end - end for first in self.starts]
+        self.end = new_end
+
+
+def _moved(
+    old: torch.Tensor, rows: int, start: int, end: int, target: slice, slots: int, columns: int
+) -> torch.Tensor:
+    """A new zero buffer of `slots` x `columns` holding `old`'s used rows and columns at `target`."""
+    new = old.new_zeros((slots, old.shape[1], columns, old.shape[3]))
+    new[:rows, :, target] = old[:rows, :, start:end]
+    return new
 
 
 class EmbeddedEngine:
@@ -158,12 +504,26 @@ class EmbeddedEngine:
         self._ids = itertools.count()
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []
-        self._cache: DynamicCache | None = None
-        self._mask = torch.zeros((0, 0), dtype=torch.long)
-        self._next_position = torch.zeros(0, dtype=torch.long)
-        self._last = torch.zeros(0, dtype=torch.long)
+        self._text_config = model.config.get_text_config(decoder=True)
+        layers = int(self._text_config.num_hidden_layers)
+        self._cache = _SlotCache(layers, self.config.max_batch, self.device)
+        self._packed = _packable(model)
+        """One forward per step, the joining prompts packed after the running rows' tokens (the engine's
+        own attention), where the model's attention allows; else a prefill forward, then a decode one."""
+        self._joining: list[_Request] = []
+        """The requests joining in this step's packed forward."""
+        if self._packed:
+            # With SDPA's masks, any other forward of the model while the switch is on computes as SDPA.
+            AttentionInterface.register(_SLOT_ATTENTION, _slot_attention)
+            AttentionMaskInterface.register(_SLOT_ATTENTION, sdpa_mask)
+        self._positions = torch.zeros(self.config.max_batch, dtype=torch.long, device=self.device)
+        """Each row's next input position."""
+        self._last = torch.zeros(self.config.max_batch, dtype=torch.long, device=self.device)
+        """Each row's last sampled token: its next input."""
         self._step_lock = asyncio.Lock()
         self._wake = asyncio.Event()
+        self._pausing = 0
+        """Weight updates waiting for the worker to hand the batch back."""
         self._loop_task: asyncio.Task[None] | None = None
         self._bound_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -209,9 +569,7 @@ class EmbeddedEngine:
             raise ContextOverflowError(
                 f"the prompt has {len(prompt)} tokens; the context holds {self.max_context}"
             )
-        generator = torch.Generator().manual_seed(
-            sampling.seed if sampling.seed is not None else self.config.seed * 1_000_003 + next(self._ids)
-        )
+        seed = sampling.seed if sampling.seed is not None else self.config.seed * 1_000_003 + next(self._ids)
         loop = asyncio.get_running_loop()
         request = _Request(
             request_id or f"req-{next(self._ids)}",
@@ -220,7 +578,7 @@ class EmbeddedEngine:
             return_routed_experts,
             start,
             loop.create_future(),
-            generator,
+            random.Random(seed),
         )
         self._pending.append(request)
         self._ensure_loop()
@@ -239,11 +597,15 @@ class EmbeddedEngine:
         if version <= self._version:
             raise ValueError(f"the new version {version} must exceed the current {self._version}")
         self._bind()
-        async with self._step_lock:
-            await asyncio.to_thread(self._load, state_dict, version)
-            self._version = version
-            if self.config.interrupt == "reprefill" and self._rows:
-                await asyncio.to_thread(self._reprefill)
+        self._pausing += 1  # the worker hands the batch back after its current step
+        try:
+            async with self._step_lock:
+                await asyncio.to_thread(self._load, state_dict, version)
+                self._version = version
+                if self.config.interrupt == "reprefill" and self._rows:
+                    await asyncio.to_thread(self._reprefill)
+        finally:
+            self._pausing -= 1
 
     async def health(self) -> bool:
         """True while the engine accepts requests and its loop is alive."""
@@ -285,18 +647,33 @@ class EmbeddedEngine:
                     await self._wake.wait()
                     continue
                 async with self._step_lock:
-                    await asyncio.to_thread(self._step)
-                    self._answer_finished()
-                await asyncio.sleep(0)  # let callers, aborts and weight updates in between steps
+                    await asyncio.to_thread(self._serve)
+                await asyncio.sleep(0)  # let a weight update in
         except BaseException as error:  # a model failure must reach every waiting caller, not vanish
             for request in [*self._pending, *self._rows]:
                 if not request.future.done():
                     request.future.set_exception(RuntimeError(f"the engine failed: {error!r}"))
-            self._pending, self._rows, self._cache = [], [], None
+            self._pending, self._rows = [], []
+            self._cache.clear()
             raise
 
+    @torch.inference_mode()  # the cache and every forward: no autograd bookkeeping at all
+    def _serve(self) -> None:
+        """Step until no request is left or a weight update waits: one hand-over to the worker thread
+        for a burst of steps, not one per step. Requests, aborts and closing reach the steps through
+        `_pending` and the requests' flags."""
+        with self._own_attention():
+            while (self._pending or self._rows) and not self._pausing:
+                self._step()
+
+    def _own_attention(self) -> AbstractContextManager[None]:
+        """The engine's attention switched on for the model (packed forwards need it), while inside."""
+        return _attention(self._text_config, _SLOT_ATTENTION) if self._packed else nullcontext()
+
     def _step(self) -> None:
-        """One engine step: admit waiting requests (one batched prefill), then decode every row."""
+        """One engine step: admit waiting requests (one batched prefill), then decode every row. Rows
+        that finish (or were aborted) leave and are answered as soon as they do."""
+        self._release()
         admitted: list[_Request] = []
         for request in list(self._pending):
             if request.aborted:
@@ -306,104 +683,160 @@ class EmbeddedEngine:
             elif len(self._rows) + len(admitted) < self.config.max_batch:
                 self._pending.remove(request)
                 admitted.append(request)
-        if admitted:
+        if self._packed:
+            self._joining = admitted
+        elif admitted:
+            first_row = len(self._rows)
             logits = self._prefill(admitted, [r.prompt for r in admitted], record=True)
-            first_row = len(self._rows) - len(admitted)
-            for offset, request in enumerate(admitted):
-                self._emit(request, logits[offset], first_row + offset)
-        if any(r.finish is None for r in self._rows):
+            self._emit(admitted, first_row, logits, None)
+            self._release()
+        if self._rows or self._joining:
             self._decode()
+            self._release()
         self.steps += 1
 
-    @torch.no_grad()
     def _prefill(self, requests: list[_Request], sequences: list[list[int]], record: bool) -> torch.Tensor:
-        """Run `sequences` through the model as one left-padded batch, add them as rows, and return
-        each one's next-token logits."""
+        """Run `sequences` through the model as one left-padded batch straight into free rows of the
+        cache, add them as rows, and return each one's next-token logits."""
         width = max(len(seq) for seq in sequences)
         ids = torch.tensor([[self._pad] * (width - len(seq)) + seq for seq in sequences], dtype=torch.long)
-        mask = torch.tensor(
-            [[0] * (width - len(seq)) + [1] * len(seq) for seq in sequences], dtype=torch.long
-        )
+        lengths = torch.tensor([len(seq) for seq in sequences])
+        mask = torch.arange(width)[None, :] >= (width - lengths)[:, None]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        mask = mask.to(self.device)
+        first_row = len(self._rows)
+        self._cache.join(mask, [len(seq) for seq in sequences])
         out = self.model(
             input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
+            attention_mask=mask,
             position_ids=positions.to(self.device),
-            cache=cache,
+            cache=self._cache,
             use_cache=True,
+            logits_to_keep=1,
         )
-        routes = self._recorder.take()  # [len(sequences) * width, layers, top_k]
-        if record and routes is not None:
+        if record and any(r.want_routes for r in requests):
+            routes = self._recorder.take()  # [len(sequences) * width, layers, top_k]
+        else:
+            routes = None
+            self._recorder.clear()
+        if routes is not None:
             per_row = routes.reshape(len(sequences), width, *routes.shape[1:])
             for request, seq, rows in zip(requests, sequences, per_row, strict=True):
                 if request.want_routes:
                     request.routes.extend(rows[width - len(seq) :])
-        self._join(requests, cache, mask)
+        self._rows += requests
+        self._positions[first_row : first_row + len(requests)] = lengths.to(self.device)
         logits: torch.Tensor = out.logits[:, -1]
         return logits
 
-    def _join(self, requests: list[_Request], cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Append prefilled rows to the batch, left-padding whichever side is shorter."""
-        lengths = mask.sum(-1)
-        if self._cache is None or not self._rows:
-            self._cache, self._mask, self._rows = cache, mask, list(requests)
-            self._next_position, self._last = lengths.clone(), torch.full((len(requests),), self._pad)
-            return
-        target = max(self._mask.shape[1], mask.shape[1])
-        for mine, theirs in zip(_kv_layers(self._cache), _kv_layers(cache), strict=True):
-            mine.keys, mine.values = (
-                torch.cat([_left_pad(mine.keys, target), _left_pad(theirs.keys, target)]),
-                torch.cat([_left_pad(mine.values, target), _left_pad(theirs.values, target)]),
-            )
-        self._mask = torch.cat([_left_pad_mask(self._mask, target), _left_pad_mask(mask, target)])
-        self._rows += requests
-        self._next_position = torch.cat([self._next_position, lengths])
-        self._last = torch.cat([self._last, torch.full((len(requests),), self._pad)])
-
-    @torch.no_grad()
     def _decode(self) -> None:
-        assert self._cache is not None
-        batch = len(self._rows)
-        self._mask = torch.cat([self._mask, torch.ones(batch, 1, dtype=torch.long)], 1)
+        """Decode one token for every row (packed: and prefill the requests joining in this step)."""
+        if self._packed:
+            joining, self._joining = self._joining, []
+            logits, routes = self._forward_packed(joining, [r.prompt for r in joining], record=True)
+            self._emit(self._rows, 0, logits, routes)
+            return
+        rows = len(self._rows)
+        mask = self._cache.decode()
         out = self.model(
-            input_ids=self._last[:, None].to(self.device),
-            attention_mask=self._mask.to(self.device),
-            position_ids=self._next_position[:, None].to(self.device),
+            input_ids=self._last[:rows, None],
+            attention_mask=mask,
+            position_ids=self._positions[:rows, None],
             cache=self._cache,
             use_cache=True,
         )
-        routes = self._recorder.take()
-        self._next_position += 1
-        for row, request in enumerate(self._rows):
+        self._cache.advance()
+        self._positions[:rows] += 1
+        if any(r.want_routes for r in self._rows):
+            routes = self._recorder.take()
+        else:
+            routes = None
+            self._recorder.clear()
+        self._emit(self._rows, 0, out.logits[:, -1], routes)
+
+    def _forward_packed(
+        self, joining: list[_Request], sequences: list[list[int]], record: bool
+    ) -> tuple[torch.Tensor, np.ndarray | None]:
+        """One forward for the whole batch: every running row feeds its last token, and `sequences` (of
+        the `joining` requests) are prefilled into new rows, all packed into one sequence of tokens
+        without padding. Adds the new rows; returns every row's next-token logits `[rows, vocab]` and,
+        when a running row wants them, the running rows' input routes `[running rows, layers, top_k]`."""
+        rows, lengths = len(self._rows), [len(seq) for seq in sequences]
+        ids, positions = self._last[:rows], self._positions[:rows]
+        mask, keep, ends = None, None, list(itertools.accumulate(lengths, initial=rows - 1))[1:]
+        if sequences:  # else every position's logits are kept: one per running row
+            width = max(lengths)
+            padding = width - torch.tensor(lengths)
+            mask = (torch.arange(width)[None, :] >= padding[:, None]).to(self.device)
+            prompts = torch.tensor([token for seq in sequences for token in seq], device=self.device)
+            steps = torch.tensor([step for length in lengths for step in range(length)], device=self.device)
+            ids, positions = torch.cat([ids, prompts]), torch.cat([positions, steps])
+            keep = torch.tensor([*range(rows), *ends], device=self.device)
+        packed = self._cache.pack(mask, lengths)
+        out = self.model(  # inside `_own_attention`
+            input_ids=ids[None],
+            position_ids=positions[None],
+            cache=self._cache,
+            use_cache=True,
+            logits_to_keep=0 if keep is None else keep,
+            slot_plan=packed,
+        )
+        if packed.calls != len(self._cache.slot_layers):
+            raise RuntimeError(
+                f"{packed.calls} attention calls for {len(self._cache.slot_layers)} layers: this model's "
+                "attention does not go through transformers' AttentionInterface"
+            )
+        self._cache.advance()
+        self._positions[:rows] += 1
+        wanted = any(r.want_routes for r in self._rows) or (record and any(r.want_routes for r in joining))
+        routes = self._recorder.take() if wanted else None  # [tokens, layers, top_k]
+        if routes is None:
+            self._recorder.clear()
+        elif record:
+            for request, end, length in zip(joining, ends, lengths, strict=True):
+                if request.want_routes:
+                    request.routes.extend(routes[end + 1 - length : end + 1])
+        if joining:
+            self._rows += joining
+            self._positions[rows : rows + len(joining)] = torch.tensor(lengths, device=self.device)
+        logits: torch.Tensor = out.logits[0]
+        return logits, None if routes is None else routes[:rows]
+
+    def _emit(
+        self, requests: Sequence[_Request], first_row: int, logits: torch.Tensor, routes: np.ndarray | None
+    ) -> None:
+        """Sample the next token of rows `first_row`.. (`requests`, in order) from `logits`
+        `[rows, vocab]`, record it with the row's input route (`routes` covers the first rows, those
+        that fed a decoded token), and decide which rows are finished. A row aborted meanwhile gets
+        no token (and its last input's route is not kept)."""
+        uniforms = [
+            r.rng.random() if r.finish is None and not r.aborted and r.sampling.temperature != 0 else 0.0
+            for r in requests
+        ]
+        tokens, logprobs = _sample(logits.float(), [r.sampling for r in requests], uniforms)
+        self._last[first_row : first_row + len(requests)] = tokens
+        drawn = torch.stack([tokens.double(), logprobs.double()]).cpu().tolist()  # one transfer
+        for row, (request, token, logprob) in enumerate(zip(requests, *drawn, strict=True)):
             if request.finish is not None:
                 continue
-            if request.aborted:  # aborted while this step ran: its last input's route is not kept
+            if request.aborted:
                 request.finish = FinishReason.ABORT
                 continue
-            if request.want_routes and routes is not None:
+            if routes is not None and row < len(routes) and request.want_routes:
                 request.routes.append(routes[row])
-            self._emit(request, out.logits[row, -1], row)
-
-    def _emit(self, request: _Request, logits: torch.Tensor, row: int) -> None:
-        """Sample the next token of `request` from `logits` and decide whether it is finished."""
-        if request.aborted:
-            request.finish = FinishReason.ABORT
-            return
-        token, logprob = _sample(logits.float(), request.sampling, request.generator)
-        request.tokens.append(token)
-        request.logprobs.append(logprob)
-        request.versions.append(self._version)
-        self._last[row] = token
-        sampling = request.sampling
-        eos = token in self._eos and not sampling.ignore_eos
-        if eos or token in sampling.stop_token_ids or self._hit_stop_string(request):
-            request.finish = FinishReason.STOP
-        elif (
-            len(request.tokens) >= sampling.max_new_tokens
-            or len(request.prompt) + len(request.tokens) >= self.max_context
-        ):
-            request.finish = FinishReason.LENGTH
+            token = int(token)
+            request.tokens.append(token)
+            request.logprobs.append(logprob)
+            request.versions.append(self._version)
+            sampling = request.sampling
+            eos = token in self._eos and not sampling.ignore_eos
+            if eos or token in sampling.stop_token_ids or self._hit_stop_string(request):
+                request.finish = FinishReason.STOP
+            elif (
+                len(request.tokens) >= sampling.max_new_tokens
+                or len(request.prompt) + len(request.tokens) >= self.max_context
+            ):
+                request.finish = FinishReason.LENGTH
 
     def _hit_stop_string(self, request: _Request) -> bool:
         if not request.sampling.stop_strings or self.tokenizer is None:
@@ -412,42 +845,26 @@ class EmbeddedEngine:
         tail = self.tokenizer.decode(request.tokens[-(longest + 8) :], skip_special_tokens=False)
         return any(tail.endswith(s) for s in request.sampling.stop_strings)
 
-    def _answer_finished(self) -> None:
-        for request in self._rows:
-            if request.aborted and request.finish is None:
+    def _release(self) -> None:
+        """Answer the finished and aborted rows and take them out of the batch."""
+        leaving = []
+        for row, request in enumerate(self._rows):
+            if request.finish is None and request.aborted:
                 request.finish = FinishReason.ABORT
-        keep = [i for i, r in enumerate(self._rows) if r.finish is None]
-        done = [r for r in self._rows if r.finish is not None]
-        if not done:
+            if request.finish is not None:
+                leaving.append(row)
+                self._resolve(request)
+        if not leaving:
             return
-        for request in done:
-            self._resolve(request)
-        if not keep:
-            self._rows, self._cache = [], None
-            self._mask = torch.zeros((0, 0), dtype=torch.long)
-            self._next_position = self._last = torch.zeros(0, dtype=torch.long)
-            return
-        index = torch.tensor(keep)
-        assert self._cache is not None
-        self._cache.batch_select_indices(index.to(self.device))
-        self._rows = [self._rows[i] for i in keep]
-        self._mask, self._next_position, self._last = (
-            self._mask[index],
-            self._next_position[index],
-            self._last[index],
-        )
-        self._trim()
-
-    def _trim(self) -> None:
-        """Drop leading columns that are padding in every row (left behind by a long row that left)."""
-        used = self._mask.any(dim=0).nonzero()
-        start = int(used[0]) if len(used) else 0
-        if start:
-            assert self._cache is not None
-            for layer in _kv_layers(self._cache):
-                assert layer.keys is not None and layer.values is not None
-                layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
-            self._mask = self._mask[:, start:]
+        movers, holes = self._cache.remove(leaving)
+        if holes:
+            source = torch.tensor(movers, device=self.device)
+            target = torch.tensor(holes, device=self.device)
+            self._positions[target] = self._positions[source]
+            self._last[target] = self._last[source]
+            for hole, mover in zip(holes, movers, strict=True):
+                self._rows[hole] = self._rows[mover]
+        del self._rows[len(self._rows) - len(leaving) :]
 
     def _resolve(self, request: _Request) -> None:
         if request.future.done():
@@ -498,37 +915,57 @@ class EmbeddedEngine:
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             param.add_((noise * scale).to(device=param.device, dtype=param.dtype))
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _reprefill(self) -> None:
         """Rebuild every running row's KV cache under the current weights (AReaL's interruption)."""
-        rows, self._rows, self._cache = self._rows, [], None
+        rows, self._rows = self._rows, []
+        self._cache.clear()
         # The last sampled token of each row has not been fed yet; everything before it is recomputed.
         # The routes recorded for those tokens stay: they are the ones the tokens were generated with.
-        self._prefill(rows, [r.prompt + r.tokens[:-1] for r in rows], record=False)
-        self._last = torch.tensor([r.tokens[-1] for r in rows])
+        sequences = [r.prompt + r.tokens[:-1] for r in rows]
+        if self._packed:
+            with self._own_attention():
+                self._forward_packed(rows, sequences, record=False)
+        else:
+            self._prefill(rows, sequences, record=False)
+        self._last[: len(rows)] = torch.tensor([r.tokens[-1] for r in rows], device=self.device)
 
 
-def _kv_layers(cache: DynamicCache) -> list[DynamicLayer]:
-    """The cache's per-layer key/value holders (every layer of a dense or MoE decoder is a DynamicLayer)."""
-    layers = list(cache.layers)
-    if not all(isinstance(layer, DynamicLayer) for layer in layers):
-        raise TypeError("the embedded engine supports models whose cache layers are all DynamicLayer")
-    return cast(list[DynamicLayer], layers)
+def _packable(model: Any) -> bool:
+    """Whether the engine's packed attention computes what the model's own does: causal attention
+    over the whole context in every layer, through transformers' AttentionInterface."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None) or []
+    return (
+        getattr(config, "sliding_window", None) is None
+        and all(kind == "full_attention" for kind in layer_types)
+        and bool(getattr(model, "_supports_attention_backend", False))
+    )
 
 
-def _left_pad(tensor: torch.Tensor | None, width: int) -> torch.Tensor:
-    if tensor is None:
-        raise ValueError("a cache layer holds no keys/values yet")
-    missing = width - tensor.shape[2]
-    if missing <= 0:
-        return tensor
-    pad = tensor.new_zeros((*tensor.shape[:2], missing, tensor.shape[3]))
-    return torch.cat([pad, tensor], dim=2)
+_switched: dict[int, tuple[int, Any]] = {}
+"""Decoder configs whose attention engines have switched: id -> (forwards inside, what to restore)."""
+_switch_lock = threading.Lock()
 
 
-def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - mask.shape[1]
-    return mask if missing <= 0 else torch.cat([mask.new_zeros((mask.shape[0], missing)), mask], 1)
+@contextmanager
+def _attention(config: Any, implementation: str) -> Iterator[None]:
+    """Run the decoder's attention (`config`: its config) through `implementation` inside the block.
+    Engines sharing a model may overlap: the first one in switches, the last one out restores."""
+    with _switch_lock:
+        inside, previous = _switched.get(id(config), (0, config._attn_implementation))
+        if not inside:
+            config._attn_implementation = implementation
+        _switched[id(config)] = (inside + 1, previous)
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            inside, previous = _switched.pop(id(config))
+            if inside > 1:
+                _switched[id(config)] = (inside - 1, previous)
+            else:
+                config._attn_implementation = previous
 
 
 def _set_result(future: asyncio.Future[Generation], generation: Generation) -> None:
@@ -536,21 +973,40 @@ def _set_result(future: asyncio.Future[Generation], generation: Generation) -> N
         future.set_result(generation)
 
 
-def _sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """A token and its log-prob under the distribution it was drawn from (temperature, top-k and top-p
-    applied and renormalized); greedy when temperature is 0 (log-prob of the untempered softmax)."""
-    if sampling.temperature == 0:
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, -1)[token])
-    scaled = logits / sampling.temperature
-    if sampling.top_k:
-        kth = torch.topk(scaled, min(sampling.top_k, scaled.shape[-1])).values[-1]
+def _sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens `[rows]` and their log-probs `[rows]` from `logits` `[rows, vocab]` (float32), all
+    rows at once. A greedy row (temperature 0) takes the argmax and its log-prob under the untempered
+    softmax. Any other row draws by inverse CDF at its `uniforms` entry (in [0, 1)) from the
+    distribution with its temperature, top-k and top-p applied and renormalized, and gets its token's
+    log-prob under that distribution."""
+    tokens = logits.argmax(-1)
+    logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    drawn = [row for row, p in enumerate(params) if p.temperature != 0]
+    if not drawn:
+        return tokens, logprobs
+    device, vocab = logits.device, logits.shape[-1]
+    chosen = [params[row] for row in drawn]
+    index = torch.tensor(drawn, device=device)
+    temperature = torch.tensor([p.temperature for p in chosen], dtype=logits.dtype, device=device)
+    scaled = logits[index] / temperature[:, None]
+    if any(p.top_k for p in chosen):
+        keep = torch.tensor([min(p.top_k, vocab) if p.top_k else vocab for p in chosen], device=device)
+        kth = torch.sort(scaled, -1, descending=True).values.gather(-1, keep[:, None] - 1)
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if sampling.top_p < 1:
-        ordered, order = torch.sort(scaled, descending=True)
-        cumulative = torch.softmax(ordered, -1).cumsum(-1)
-        drop = cumulative - torch.softmax(ordered, -1) >= sampling.top_p
-        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    logprobs = torch.log_softmax(scaled, -1)
-    token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
-    return token, float(logprobs[token])
+    if any(p.top_p < 1 for p in chosen):
+        top_p = torch.tensor([p.top_p for p in chosen], dtype=logits.dtype, device=device)[:, None]
+        ordered, order = torch.sort(scaled, -1, descending=True)
+        mass = torch.softmax(ordered, -1)
+        drop = (mass.cumsum(-1) - mass >= top_p) & (top_p < 1)
+        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    table = torch.log_softmax(scaled, -1)
+    cdf = table.exp().double().cumsum(-1)
+    total = cdf[:, -1:].contiguous()
+    at = torch.tensor([uniforms[row] for row in drawn], dtype=torch.float64, device=device)[:, None] * total
+    # `right=True` never lands on a token of probability 0; the bound guards `at` rounded up to the total.
+    picked = torch.minimum(torch.searchsorted(cdf, at, right=True), torch.searchsorted(cdf, total))
+    tokens[index] = picked.squeeze(-1)
+    logprobs[index] = table.gather(-1, picked).squeeze(-1)
+    return tokens, logprobs

@@ -4,23 +4,32 @@ tags across a weight update, routed experts, aborts and bad input."""
 from __future__ import annotations
 
 import asyncio
+import sys
+from typing import Any
 
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from agents.engine.embedded import ContextOverflowError, EmbeddedEngine, EmbeddedEngineConfig, _GateRecorder
+from agents.engine.embedded import (
+    ContextOverflowError,
+    EmbeddedEngine,
+    EmbeddedEngineConfig,
+    _GateRecorder,
+    _packable,
+    _SlotCache,
+)
 from agents.engine.protocol import FinishReason, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
 
 
-def tiny_moe(seed: int = 0) -> Qwen3MoeForCausalLM:
+def tiny_moe(seed: int = 0, **overrides: Any) -> Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
     config = Qwen3MoeConfig(
         vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128,
-        max_position_embeddings=256, eos_token_id=1, pad_token_id=0,
+        max_position_embeddings=256, eos_token_id=1, pad_token_id=0, **overrides,
     )  # fmt: skip
     return Qwen3MoeForCausalLM(config).eval()
 
@@ -48,9 +57,11 @@ def full_logprobs(model: Qwen3MoeForCausalLM, prompt: list[int], tokens: tuple[i
     return [float(table[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
 
 
-async def test_continuous_batching_matches_one_by_one_greedy() -> None:
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "prefill-then-decode"])
+async def test_continuous_batching_matches_one_by_one_greedy(packed: bool) -> None:
     model = tiny_moe()
     engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_batch=4))
+    engine._packed = packed  # the path of models whose attention the engine cannot pack, on this one
     prompts = [[5 + i % 7] * (2 + 3 * i) for i in range(10)]  # different lengths join and leave
     lengths = [3 + 2 * (i % 4) for i in range(10)]
     results = await asyncio.gather(
@@ -84,10 +95,12 @@ async def test_sampled_logprobs_are_those_of_the_sampling_distribution() -> None
     await again.aclose()
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "prefill-then-decode"])
 @pytest.mark.parametrize("interrupt", ["reprefill", "continue"])
-async def test_weight_update_mid_generation_tags_versions(interrupt: str) -> None:
+async def test_weight_update_mid_generation_tags_versions(interrupt: str, packed: bool) -> None:
     model = tiny_moe()
     engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(interrupt=interrupt))  # type: ignore[arg-type]
+    engine._packed = packed  # the path of models whose attention the engine cannot pack, on this one
     new_weights = {k: v + 0.05 * torch.randn_like(v) for k, v in tiny_moe(seed=1).state_dict().items()}
     prompt = [3, 4, 5, 6]
     task = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_new_tokens=20, temperature=0)))
@@ -310,3 +323,186 @@ async def test_router_noise_moves_only_the_engines_routers_and_is_drawn_anew_per
     assert (result.routed_experts != trainer_routes).any()  # the trainer would route some tokens elsewhere
     with pytest.raises(ValueError, match="router_noise must be >= 0"):
         EmbeddedEngineConfig(router_noise=-0.1)
+
+
+def test_slot_cache_keeps_every_rows_keys_through_joins_leaves_shifts_and_growth() -> None:
+    """The preallocated cache: rows join (one with a prompt longer than the used columns, which moves
+    them right), decode for long enough that the columns run out (they move to the front and the
+    buffers grow), and leave from the middle (the last row moves into the slot). Throughout, each row
+    attends to exactly its own keys, in order."""
+    cache = _SlotCache(num_layers=1, max_rows=4, device=torch.device("cpu"))
+    fed: dict[int, list[float]] = {}  # request -> the keys it was fed, in order (key = a unique number)
+    slots: list[int] = []  # the request in each slot
+    counter = iter(range(1, 1_000_000))
+
+    def forward(tokens: torch.Tensor) -> None:
+        """One forward through the cache's single layer; `tokens` `[rows, width]` are the new keys."""
+        keys = tokens[:, None, :, None].expand(-1, 2, -1, 3)  # [rows, kv_heads, width, head_dim]
+        cache.slot_layers[0].update(keys, keys.clone(), 0)
+
+    def join(lengths: list[int]) -> None:
+        width = max(lengths)
+        mask = torch.arange(width)[None, :] >= torch.tensor([width - n for n in lengths])[:, None]
+        cache.join(mask, lengths)
+        tokens = torch.zeros(len(lengths), width)
+        for row, n in enumerate(lengths):
+            request = next(counter)
+            fed[request] = [float(next(counter)) for _ in range(n)]
+            tokens[row, width - n :] = torch.tensor(fed[request])
+            slots.append(request)
+        forward(tokens)
+
+    def decode() -> None:
+        cache.decode()
+        new = [float(next(counter)) for _ in slots]
+        for request, key in zip(slots, new, strict=True):
+            fed[request].append(key)
+        forward(torch.tensor(new)[:, None])
+        cache.advance()
+
+    def leave(rows: list[int]) -> None:
+        movers, holes = cache.remove(rows)
+        for hole, mover in zip(holes, movers, strict=True):
+            slots[hole] = slots[mover]
+        del slots[len(slots) - len(rows) :]
+
+    def check() -> None:
+        keys = cache.slot_layers[0].keys
+        assert keys is not None and cache.rows == len(slots)
+        start, end = cache.start, cache.end
+        for row, request in enumerate(slots):
+            visible = cache.mask[row, start:end]
+            assert keys[row, 0, start:end, 0][visible].tolist() == fed[request]
+            assert cache.starts[row] == end - len(fed[request])
+            assert visible.tolist() == [False] * (cache.starts[row] - start) + [True] * len(fed[request])
+
+    join([3, 5])
+    check()
+    assert cache.mask.shape[0] == 2
+    for _ in range(3):
+        decode()
+    join([20])  # longer than the 8 used columns: they move right (and the slots grow)
+    check()
+    assert cache.mask.shape[0] == 4
+    decode()
+    leave([0])  # the last row moves into slot 0
+    check()
+    shape = cache.mask.shape
+    for _ in range(100):  # the columns run out: moved to the front, the buffers grown
+        decode()
+    assert cache.mask.shape[1] > shape[1]
+    check()
+    join([2, 4])  # every slot in use
+    check()
+    decode()
+    leave([1, 2])  # from the middle
+    check()
+    leave([0, 1])
+    assert cache.rows == 0
+    join([6])  # an empty cache starts again from its first column
+    check()
+    assert cache.start == 0 and cache.end == 6
+
+
+async def test_rows_joining_a_long_running_batch_match_one_by_one_greedy() -> None:
+    """Through the cache's rarer moves: a prompt longer than the columns in use joins a running batch
+    (the columns move right), and a long generation runs past the buffers' first columns (they move to
+    the front and grow). Every request's tokens and log-probs are those it gets alone."""
+    model = tiny_moe()
+    engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_batch=2))
+    jobs = [([5, 6, 7], 120), ([9, 9], 10), ([11 + i % 5 for i in range(50)], 20)]
+    results = await asyncio.gather(
+        *(engine.generate(p, SamplingParams(max_new_tokens=n, temperature=0)) for p, n in jobs)
+    )
+    await engine.aclose()
+    assert engine._cache.mask.shape[1] > 2 * (50 + 1)  # grown past the first allocation
+    for (prompt, length), result in zip(jobs, results, strict=True):
+        assert list(result.tokens) == reference_greedy(model, prompt, length)
+        assert result.logprobs == pytest.approx(full_logprobs(model, prompt, result.tokens), abs=1e-5)
+
+
+async def test_routes_of_requests_that_join_a_running_batch_are_their_own() -> None:
+    """A packed forward holds the running rows' tokens and the joining prompts: each request's routes
+    (prompt positions from the forward it joined in, then one per decoded input) are those a plain
+    forward over its own sequence chooses."""
+    model = tiny_moe()
+    engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_batch=3))
+    prompts = [[20 + i] * (3 + 4 * i) for i in range(6)]
+    lengths = [9, 3, 6, 4, 8, 5]
+    results = await asyncio.gather(
+        *(
+            engine.generate(p, SamplingParams(max_new_tokens=n, temperature=0), return_routed_experts=True)
+            for p, n in zip(prompts, lengths, strict=True)
+        )
+    )
+    await engine.aclose()
+    recorder = _GateRecorder(model)
+    for prompt, result in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            model(torch.tensor([prompt + list(result.tokens[:-1])]))
+        plain = recorder.take()
+        assert plain is not None and result.routed_experts is not None
+        assert (result.routed_experts == plain).all()
+    recorder.close()
+
+
+async def test_the_engine_runs_its_attention_only_while_it_steps() -> None:
+    """The engine switches the model to its attention function while its worker steps: afterwards the
+    model computes as before, through its own attention."""
+    model = tiny_moe()
+    assert _packable(model)
+    before = model.config._attn_implementation
+    prompt = [4, 5, 6, 7]
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits
+    engine = EmbeddedEngine(model)
+    await engine.generate(prompt, GREEDY)
+    await engine.aclose()
+    assert model.config._attn_implementation == before
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor([prompt])).logits, expected)
+
+
+async def test_a_model_the_engine_cannot_pack_runs_prefill_and_decode_forwards() -> None:
+    """A sliding-window model: the engine's packed attention would attend to the whole context, so it
+    runs the model's own attention (a prefill forward, then a decode forward per step) and matches
+    plain generation, whose window is shorter than the sequences."""
+    model = tiny_moe(use_sliding_window=True, sliding_window=6, max_window_layers=0)
+    assert not _packable(model)
+    engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_batch=4))
+    prompts = [[5 + i % 7] * (2 + 3 * i) for i in range(8)]
+    lengths = [3 + 2 * (i % 4) for i in range(8)]
+    results = await asyncio.gather(
+        *(
+            engine.generate(p, SamplingParams(max_new_tokens=n, temperature=0), return_routed_experts=True)
+            for p, n in zip(prompts, lengths, strict=True)
+        )
+    )
+    await engine.aclose()
+    for prompt, length, result in zip(prompts, lengths, results, strict=True):
+        assert list(result.tokens) == reference_greedy(model, prompt, length)
+        assert result.logprobs == pytest.approx(full_logprobs(model, prompt, result.tokens), abs=1e-5)
+        assert result.routed_experts is not None
+        assert result.routed_experts.shape == (len(prompt) + length - 1, 2, 2)
+
+
+async def test_engines_sharing_a_model_each_generate_what_they_would_alone() -> None:
+    """Two engines over one model, their forwards overlapping on their worker threads: each sees the
+    engines' attention for all its forward (the last one out restores the model's)."""
+    model = tiny_moe()
+    prompts = [[3 + i] * (4 + 5 * i) for i in range(8)]
+    sampling = SamplingParams(max_new_tokens=40, temperature=0)
+    first, second = EmbeddedEngine(model), EmbeddedEngine(model)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the worker threads take turns within each other's forwards
+    try:
+        together = await asyncio.gather(
+            *(engine.generate(p, sampling) for p in prompts for engine in (first, second))
+        )
+    finally:
+        sys.setswitchinterval(interval)
+    await first.aclose()
+    await second.aclose()
+    assert model.config._attn_implementation == "sdpa"
+    for prompt, a, b in zip(prompts, together[::2], together[1::2], strict=True):
+        assert list(a.tokens) == list(b.tokens) == reference_greedy(model, prompt, 40)

@@ -478,31 +478,32 @@ def test_an_emulated_async_run_trains_on_turns_the_clock_cut_between_versions(
 ) -> None:
     # pacerl-cpu's engine with every real token costing 20: a turn of the tiny model decodes for about as
     # long as a training step takes, so publications land inside turns and the real engine regenerates
-    # their rest under the new weights.
+    # their rest under the new weights. Eight steps: the warm model solves few sums, and in five steps a
+    # run can draw no reward at all, so it never updates (and nothing is interrupted).
     run_dir = tmp_path / "run"
     config = config_from_dict(
         small_run(
             warm_model,
             run_dir,
             rollout={"group_size": 4},
-            loop={"mode": "async", "steps": 5, "batch_groups": 2},
+            loop={"mode": "async", "steps": 8, "batch_groups": 2},
             filter={"name": "none", "max_concurrent_groups": 4},
             emulation={"clock": "emulated", "preset": "pacerl-cpu", "token_scale": 20},
         )
     )
     summary = asyncio.run(train(config))
     figures = summary["emulation"]
-    assert summary["step"] == figures["steps"] == 5
+    assert summary["step"] == figures["steps"] == 8
     assert figures["interruptions"] > 0 and sum(figures["gs_hist"][1:]) > 0  # tokens of older versions
     rows = read_metrics(run_dir / "metrics.jsonl")
     times = [row["sim/time_s"] for row in rows]
-    assert len(rows) == 5 and times == sorted(times) and times[-1] == pytest.approx(figures["simulated_s"])
+    assert len(rows) == 8 and times == sorted(times) and times[-1] == pytest.approx(figures["simulated_s"])
     assert max(row["staleness/mean_gs"] for row in rows) > 0
     assert json.loads((run_dir / "emulation.json").read_text())["token_scale"] == 20
     clock = lab_config_from_dict(SimConfig(), json.loads((run_dir / "clock.json").read_text()))
-    assert clock.inference_gpus == 1 and clock.steps == 5 and clock.filter.name == "none"
+    assert clock.inference_gpus == 1 and clock.steps == 8 and clock.filter.name == "none"
     assert clock.workload.group_size == 4 and clock.token_block == 1
-    assert len(_batches(run_dir)) == 5
+    assert len(_batches(run_dir)) == 8
 
 
 @pytest.mark.parametrize(
