@@ -2,19 +2,23 @@
 
     .venv/bin/python benchmarks/sandbox.py [--runs N] [--out benchmarks/results/sandbox.json]
 
-Measures one-shot `print(1+1)` latency next to a plain `python3 -I -c` start, persistent-session
-call latency, throughput with 1, 2 and 8 concurrent callers, Docker warm exec latency, and a session
-cycle (open, one call, close, back to back) with recycled sandboxes and with a fresh one each.
+Measures one-shot `print(1+1)` latency next to a plain `python3 -I -c` start (with requests 0.1 s
+apart, which find a sandbox waiting, and back to back, which race its reset), persistent-session call
+latency, throughput with 1, 2 and 8 concurrent callers and the CPU each run costs there (this
+process, the sandboxes' cgroups, and dockerd and containerd-shim for Docker), and a session cycle
+(open, one call, close, back to back) with recycled sandboxes and with a fresh one each.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -55,7 +59,9 @@ def check(result: Any) -> None:
         raise RuntimeError(f"benchmark run failed: {result}")
 
 
-def throughput(sandbox: Sandbox, callers: int, seconds: float) -> float:
+def throughput(sandbox: Sandbox, callers: int, seconds: float) -> tuple[float, dict[str, float]]:
+    """Runs per second with `callers` concurrent callers, and the CPU milliseconds each run cost."""
+
     async def caller(deadline: float, counts: list[int]) -> None:
         while time.perf_counter() < deadline:
             check(await sandbox.arun(CODE))
@@ -67,9 +73,40 @@ def throughput(sandbox: Sandbox, callers: int, seconds: float) -> float:
         await asyncio.gather(*(caller(deadline, counts) for _ in range(callers)))
         return counts[0]
 
+    cpu_before = cpu_seconds(sandbox)
     started = time.perf_counter()
     done = asyncio.run(main())
-    return round(done / (time.perf_counter() - started), 1)
+    elapsed = time.perf_counter() - started
+    cpu = {
+        key: round((value - cpu_before[key]) * 1000 / done, 2) for key, value in cpu_seconds(sandbox).items()
+    }
+    return round(done / elapsed, 1), cpu
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(sandbox: Sandbox) -> dict[str, float]:
+    """CPU seconds so far of this process, of the sandboxes (their cgroups), and of Docker's daemons."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"host": usage.ru_utime + usage.ru_stime}
+    backend = sandbox._backend
+    if sandbox.backend_name == "local" and backend._cgroups is not None:
+        out["sandboxes"] = int((backend._cgroups.folders["cpuacct"] / "cpuacct.usage").read_text()) / 1e9
+    elif sandbox.backend_name == "docker":
+        # Every container's cgroup on this host (the parent counts removed ones too).
+        parent = Path("/sys/fs/cgroup/cpuacct/docker/cpuacct.usage")
+        if parent.exists():
+            out["sandboxes"] = int(parent.read_text()) / 1e9
+        for name in ("dockerd", "containerd-shim"):
+            out[name] = 0.0
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                with contextlib.suppress(OSError):
+                    text = stat.read_text()
+                    if text[text.index("(") + 1 : text.rindex(")")] == name:
+                        fields = text.rsplit(")", 1)[1].split()
+                        out[name] += (int(fields[11]) + int(fields[12])) / _TICKS
+    return out
 
 
 def session_cycle(runs: int, **options: Any) -> dict[str, Any]:
@@ -103,7 +140,11 @@ def bench_backend(name: str, runs: int, idle_gap_s: float = 0.1, **options: Any)
         with sandbox.session() as session:
             session.run("x = 1")
             out["session_call"] = timed(lambda: session.run("x + 1"), runs * 2)
-        out["throughput_runs_per_s"] = {str(c): throughput(sandbox, c, 4.0) for c in (1, 2, 8)}
+        out["throughput_runs_per_s"] = {}
+        for callers in (1, 2, 8):
+            out["throughput_runs_per_s"][str(callers)], cpu = throughput(sandbox, callers, 4.0)
+        out["cpu_ms_per_run_8_callers"] = cpu
+        out["recycled"] = getattr(sandbox._backend, "recycled", None)
     return out
 
 
@@ -142,7 +183,7 @@ def main() -> None:
     try:
         from sandbox.image import ensure_image
 
-        report["docker"] = bench_backend("docker", args.runs // 2, idle_gap_s=0.8, image=ensure_image())
+        report["docker"] = bench_backend("docker", args.runs, image=ensure_image())
     except Exception as error:  # no daemon here: say so in the report instead of failing the rest
         report["docker"] = {"unavailable": f"{type(error).__name__}: {error}"}
     plain = report["plain_python3_-I_-c"]["p50_ms"]
@@ -151,7 +192,15 @@ def main() -> None:
         for key in ("local_bwrap", "local_unshare", "docker")
         if "oneshot_idle_arrivals" in report[key]
     } | {
-        "local_bwrap_back_to_back": round(report["local_bwrap"]["oneshot_back_to_back"]["p50_ms"] / plain, 2)
+        f"{key}_back_to_back": round(report[key]["oneshot_back_to_back"]["p50_ms"] / plain, 2)
+        for key in ("local_bwrap", "local_unshare", "docker")
+        if "oneshot_back_to_back" in report[key]
+    }
+    local = report["local_bwrap"]["throughput_runs_per_s"]["8"]
+    report["throughput_vs_local_8_callers"] = {
+        key: round(report[key]["throughput_runs_per_s"]["8"] / local, 2)
+        for key in ("local_unshare", "docker")
+        if "throughput_runs_per_s" in report[key]
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -152,11 +152,24 @@ class CgroupTree:
 class SandboxCgroup:
     """The cgroups of one sandbox."""
 
+    _COUNTERS = (("cpuacct", "cpuacct.usage"), ("pids", "pids.current"), ("memory", "memory.oom_control"))
+    """Files read while the sandbox lives, through descriptors opened with it (so every sandbox holds
+    the same ones, used or not)."""
+
     def __init__(self, paths: dict[str, Path], leftovers: list[Path]) -> None:
         self.paths = paths
         self._leftovers = leftovers
         self._limits: tuple[int, int] | None = None
         self._fds: dict[str, int] = {}
+        try:
+            for controller, name in self._COUNTERS:
+                self._fds[f"{controller}/{name}"] = os.open(
+                    paths[controller] / name, os.O_RDONLY | os.O_CLOEXEC
+                )
+        except BaseException:
+            for fd in self._fds.values():
+                os.close(fd)
+            raise
 
     def set_limits(self, memory_bytes: int, max_tasks: int) -> None:
         """Cap the sandbox's memory (anonymous, shared, tmpfs and kernel, all processes) and tasks."""
@@ -205,13 +218,10 @@ class SandboxCgroup:
                 _write(self.paths["freezer"] / "freezer.state", "THAWED")
 
     def _read(self, controller: str, name: str) -> bytes:
-        """A counter file, read through a descriptor kept open (re-read from offset 0: these are
-        read between every two session calls, and an open per read costs several times more)."""
-        key = f"{controller}/{name}"
-        fd = self._fds.get(key)
-        if fd is None:
-            fd = self._fds[key] = os.open(self.paths[controller] / name, os.O_RDONLY | os.O_CLOEXEC)
-        return os.pread(fd, 64, 0)
+        """A counter file, read through its descriptor kept open (re-read from offset 0: these are
+        read between every two session calls and around every run, and an open per read costs
+        several times more)."""
+        return os.pread(self._fds[f"{controller}/{name}"], 256, 0)
 
     def tasks(self) -> int:
         """Processes and threads in the sandbox now."""
@@ -224,10 +234,7 @@ class SandboxCgroup:
     def oom_kills(self) -> int:
         """Processes the kernel killed for the sandbox's memory limit so far."""
         with contextlib.suppress(OSError, ValueError):
-            for line in (self.paths["memory"] / "memory.oom_control").read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
+            return parse_oom_kills(self._read("memory", "memory.oom_control").decode())
         return 0
 
     def remove(self) -> None:
@@ -257,31 +264,44 @@ class ContainerCgroup:
     """pids.current: the container's processes and threads now."""
     freeze_file: Path | None
     """freezer.state (v1) or cgroup.freeze (v2), if writable."""
+    oom_file: Path | None = None
+    """memory.oom_control (v1) or memory.events (v2): how many processes the OOM killer took."""
 
     @staticmethod
     def find(container_id: str) -> ContainerCgroup | None:
+        def existing(path: Path) -> Path | None:
+            return path if path.exists() else None
+
         v1 = [f"docker/{container_id}", f"system.slice/docker-{container_id}.scope"]
         for folder in v1:
             for cpu in ("cpuacct", "cpu,cpuacct"):
                 cpu_file = _ROOT / cpu / folder / "cpuacct.usage"
                 if cpu_file.exists():
                     freeze = _ROOT / "freezer" / folder / "freezer.state"
-                    tasks = _ROOT / "pids" / folder / "pids.current"
                     return ContainerCgroup(
                         cpu_file,
-                        tasks if tasks.exists() else None,
+                        existing(_ROOT / "pids" / folder / "pids.current"),
                         freeze if os.access(freeze, os.W_OK) else None,
+                        existing(_ROOT / "memory" / folder / "memory.oom_control"),
                     )
         for folder in v1:
             cpu_file = _ROOT / folder / "cpu.stat"
             if cpu_file.exists():
                 freeze = _ROOT / folder / "cgroup.freeze"
-                tasks = _ROOT / folder / "pids.current"
                 return ContainerCgroup(
                     cpu_file,
-                    tasks if tasks.exists() else None,
+                    existing(_ROOT / folder / "pids.current"),
                     freeze if os.access(freeze, os.W_OK) else None,
+                    existing(_ROOT / folder / "memory.events"),
                 )
+        return None
+
+    def oom_kills(self) -> int | None:
+        """Processes of the container the OOM killer took so far (None where this is not counted)."""
+        if self.oom_file is None:
+            return None
+        with contextlib.suppress(OSError, ValueError):
+            return parse_oom_kills(self.oom_file.read_text())
         return None
 
     def cpu_s(self) -> float:
@@ -467,6 +487,15 @@ class SessionCpuWatch:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+
+
+def parse_oom_kills(text: str) -> int:
+    """The `oom_kill` count in a cgroup v1 `memory.oom_control` or v2 `memory.events` file."""
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    raise ValueError("no oom_kill count")
 
 
 def read_cpu_file(path: Path) -> float:

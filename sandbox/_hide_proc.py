@@ -13,13 +13,14 @@ to read files anywhere but below the entries of / other than /proc. Landlock gra
 so /proc goes whole (/proc/cpuinfo and /proc/self/status too); listing directories, writing and
 executing stay as they were, and /dev/stdin, pipes and memfds still open (their files are elsewhere).
 
-One-shot mode: the launcher itself becomes the code, so it is restricted at once, before it reads
-its job. Session mode: each process the zygote forks (an episode's interpreter) restricts itself
-first thing; the zygote, which runs no code of the user's, keeps /proc for its own checks.
+The launcher is a zygote in both modes: each process it forks (a run's process, an episode's
+interpreter) restricts itself first thing; the zygote, which runs no code of the user's, keeps /proc
+for its own checks.
 
-Where Landlock is unavailable no code runs: the process writes `HIDE_PROC_FAILED` and the reason on
-stderr and exits with `HIDE_PROC_EXIT` (a one-shot launcher first reads its job, so the host's write
-succeeds and the exit is what it sees). `DockerOptions.hide_proc=False` leaves this module out.
+Where Landlock is unavailable no code runs: the zygote writes `HIDE_PROC_FAILED` and the reason on
+stderr and exits with `HIDE_PROC_EXIT` before it says it is ready (a forked process that fails to
+restrict itself does the same, before it reads its job). `DockerOptions.hide_proc=False` leaves this
+module out.
 
 Standard library only; it must not import the project. Its names land in the launcher's namespace.
 """
@@ -34,8 +35,8 @@ HIDE_PROC_EXIT = 125
 """Exit status of a launcher whose restriction failed."""
 
 
-def hide_proc(mode: str) -> None:
-    """Restrict this process (`oneshot`) or every process forked from it (`session`)."""
+def hide_proc() -> None:
+    """Restrict every process forked from this one (checking first that the kernel can)."""
     libc = ctypes.CDLL(None, use_errno=True)
     read_file = 1 << 2  # LANDLOCK_ACCESS_FS_READ_FILE
     # Landlock's syscalls have the same numbers on every architecture.
@@ -60,7 +61,8 @@ def hide_proc(mode: str) -> None:
         size = ctypes.c_size_t(ctypes.sizeof(attr))
         return check(libc.syscall(create_ruleset, ctypes.byref(attr), size, ctypes.c_uint32(0)), "ruleset")
 
-    def restrict() -> None:
+    def build() -> int:
+        """The ruleset: files may be read below every entry of / but /proc (and links into it)."""
         ruleset = new_ruleset()
         try:
             proc = os.stat("/proc").st_dev
@@ -78,45 +80,46 @@ def hide_proc(mode: str) -> None:
                     check(added, f"rule for /{name}")
                 finally:
                     os.close(fd)
-            check(libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0), "no_new_privs")
-            check(libc.syscall(restrict_self, ctypes.c_int(ruleset), ctypes.c_uint32(0)), "restrict_self")
-        finally:
+        except BaseException:
             os.close(ruleset)
+            raise
+        return ruleset
 
-    def fail(error: OSError, job_waiting: bool) -> None:
-        if job_waiting:  # read the job frame (`SIZE\n` + SIZE bytes) so the host's write succeeds
-            header = b""
-            while not header.endswith(b"\n") and (byte := os.read(0, 1)):
-                header += byte
-            left = int(header) if header.strip().isdigit() else 0
-            while left > 0 and (chunk := os.read(0, min(left, 1 << 20))):
-                left -= len(chunk)
+    def fail(error: OSError) -> None:
         print(f"{HIDE_PROC_FAILED} {error}", file=sys.stderr, flush=True)
         os._exit(HIDE_PROC_EXIT)
 
-    if mode != "session":
-        try:
-            restrict()
-        except OSError as error:
-            fail(error, job_waiting=True)
-        return
     try:
-        os.close(new_ruleset())  # Landlock missing: fail now, not in every episode
+        os.close(new_ruleset())  # Landlock missing: fail now, not in every run
     except OSError as error:
-        fail(error, job_waiting=False)
+        fail(error)
     restricted: list[bool] = []
+    ruleset: list[int] = []
+    """Built once, at the zygote's first fork (the launcher closes inherited descriptors when it
+    starts), and applied by each process it forks, which closes its copy at once."""
+
+    def before_fork() -> None:
+        if not restricted and not ruleset:
+            ruleset.append(build())  # should this fail, the child finds no ruleset and exits
 
     def in_child() -> None:
         if restricted:  # a fork of an already restricted process (the user's own os.fork)
             return
         restricted.append(True)
         try:
-            restrict()
+            if not ruleset:
+                raise OSError("no Landlock ruleset could be built")
+            check(libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0), "no_new_privs")
+            check(libc.syscall(restrict_self, ctypes.c_int(ruleset[0]), ctypes.c_uint32(0)), "restrict_self")
         except OSError as error:
-            fail(error, job_waiting=False)
+            fail(error)
+        finally:
+            for fd in ruleset:
+                os.close(fd)
+            ruleset.clear()
 
-    os.register_at_fork(after_in_child=in_child)
+    os.register_at_fork(before=before_fork, after_in_child=in_child)
 
 
 if __name__ == "__main__":
-    hide_proc(sys.argv[1])  # argv as the launcher's: MODE STATUS_FD ...
+    hide_proc()

@@ -1,14 +1,19 @@
 """The program that runs *inside* every sandbox (local namespaces and Docker alike).
 
-It is started before any job is known (so a pool of warm sandboxes can wait for work), reads its job
-as one length-prefixed JSON frame on stdin, writes the job's files into the work directory, applies
-the rlimits, and then becomes the user's program: Python code runs in this very interpreter (saving
-an interpreter start), bash replaces it by exec.
+It is started before any job is known (so a pool of warm sandboxes can wait for work) and is a
+zygote that runs no code of the user's itself: the code runs in processes it forks. It is the
+sandbox's PID 1, except in a Docker session's container (exec'd there, it serves one episode).
 
-In `session` mode it is instead a zygote (see `session`) that forks one small REPL per episode and
-can reset the sandbox for the next episode. The REPL: one frame in, one frame out per call, globals kept
-between calls, each call's stdout/stderr captured in files on the private tmpfs (so the host reads
-only the capped head), a per-call SIGALRM that interrupts runaway cells without losing the session.
+In `oneshot` mode (see `oneshot_zygote`) it imports what snippets use, forks the next run's process
+ahead of time, and serves one run after another: the process reads its job (one length-prefixed JSON
+frame), writes the job's files into the work directory, applies the rlimits, and then becomes the
+user's program (Python code runs in this very interpreter, bash replaces it by exec). After each run
+the zygote kills every process of the sandbox and resets it, as between sessions.
+
+In `session` mode (see `session`) it forks one small REPL per episode and resets the sandbox for the
+next episode. The REPL: one frame in, one frame out per call, globals kept between calls, each call's
+stdout/stderr captured in files on the private tmpfs (so the host reads only the capped head), a
+per-call SIGALRM that interrupts runaway cells without losing the session.
 
 Standard library only; runs under `python3 -I`. It must not import the project.
 """
@@ -56,18 +61,18 @@ def write_frame(fd: int, obj: Job) -> None:
         data = data[written:]
 
 
-def write_files(files: dict[str, str]) -> None:
+def write_files(files: dict[str, str], status_fd: int) -> None:
     """Write the job's files below the work directory. The host refused every path and size that
     cannot fit; a write that fails anyway is still the caller's input, not the sandbox's fault, so it
     ends the run as the code's own error would (a message on stderr, exit status 1) on every backend:
-    the start is announced first, or the local host would report a sandbox that failed to start."""
+    the start is announced first, or the host would report a sandbox that failed to start."""
     for path, content in files.items():
         try:
             write_file(path, base64.b64decode(content))
         except OSError as error:
             print(f"[sandbox] could not write the file {path!r}: {error.strerror or error}", file=sys.stderr)
             sys.stderr.flush()
-            announce_start(int(sys.argv[2]))  # argv[2] is STATUS_FD (see the end of this file)
+            announce_start(status_fd)
             os._exit(1)
 
 
@@ -146,17 +151,26 @@ def register_source(filename: str, code: str) -> None:
 
 
 def announce_start(status_fd: int) -> None:
-    """Tell the host the sandbox is up and the user's code starts now (then hide the channel)."""
+    """Say that the sandbox is up, or that the user's code starts now (then hide the channel)."""
     if status_fd >= 0:
         os.write(status_fd, b"R")
         os.close(status_fd)
 
 
-def oneshot(status_fd: int) -> None:
-    job = read_frame(0)
-    if job is None:
-        return  # the host discarded this warm sandbox
-    write_files(job["files"])
+def take_host_pipes(status_fd: int, lib: Any) -> tuple[int, int, Job]:
+    """A zygote's start: say it is up, keep the host's pipes (stdin, stdout) on descriptors of its own,
+    put /dev/null where they were (so nothing a child inherits reaches the host), and record the clean
+    state its resets restore."""
+    announce_start(status_fd)
+    host_in, host_out = os.dup(0), os.dup(1)
+    replace_fd(os.open(os.devnull, os.O_RDONLY), 0)
+    replace_fd(os.open(os.devnull, os.O_WRONLY), 1)
+    return host_in, host_out, snapshot(lib)
+
+
+def run_job(job: Job, status_fd: int) -> None:
+    """Become the user's program (a run's forked process; it never returns)."""
+    write_files(job["files"], status_fd)
     replace_fd(stdin_fd(base64.b64decode(job["stdin"])), 0)
     apply_limits(job["limits"])
     announce_start(status_fd)
@@ -324,7 +338,6 @@ IOPRIO_WHO_PROCESS = 1
 RESET_DEADLINE_S = 1.5
 READY_FRAME_CAP = 64
 HEADER_DIGITS = 12
-SOCKET_TABLES = ("udp", "udp6", "raw", "raw6", "unix", "packet", "udplite", "udplite6")
 
 
 class ProtocolViolationError(Exception):
@@ -375,24 +388,37 @@ def dev_entries() -> dict[str, tuple[int, int]]:
 
 
 def sockets() -> list[str]:
-    """Every socket of the sandbox's network namespace, TIME_WAIT ones included: the rows of the
-    small tables, and the namespace's TCP counters (listing /proc/net/tcp walks the host's whole
-    connection table, ~3.5 ms; sockstat counts this namespace's alone)."""
+    """The socket counters of the sandbox's network namespace: every socket of any family
+    (`sockets: used`, unix, netlink and packet ones included), and TCP's orphans and TIME_WAIT
+    sockets, which outlive their processes. The counters, not the tables: listing /proc/net/udp or
+    tcp walks the host's whole hash table (tens of microseconds a table), and the count of a namespace's
+    sockets already covers every row those tables could show."""
     rows = []
-    for table in SOCKET_TABLES:
-        with contextlib.suppress(FileNotFoundError), open(f"/proc/net/{table}") as handle:
-            rows += [f"{table}: {line.strip()}" for line in handle.readlines()[1:] if line.strip()]
     for table in ("sockstat", "sockstat6"):
         with contextlib.suppress(FileNotFoundError), open(f"/proc/net/{table}") as handle:
             for line in handle:
                 kind, _, counters = line.partition(":")
-                if kind in ("TCP", "TCP6"):  # alloc and mem are host-wide, the others this namespace's
-                    fields = counters.split()
-                    pairs = dict(zip(fields[::2], fields[1::2], strict=False))
-                    rows.append(
-                        f"{kind}: " + " ".join(f"{key} {pairs.get(key)}" for key in ("inuse", "orphan", "tw"))
-                    )
+                fields = counters.split()
+                pairs = dict(zip(fields[::2], fields[1::2], strict=False))
+                # alloc and mem are host-wide, the others this namespace's
+                keys = {"sockets": ("used",), "TCP": ("inuse", "orphan", "tw"), "TCP6": ("inuse",)}
+                rows.append(
+                    f"{kind}: " + " ".join(f"{key} {pairs.get(key)}" for key in keys.get(kind, ("inuse",)))
+                )
     return rows
+
+
+def network_counters() -> list[bytes]:
+    """The traffic counters of the sandbox's network namespace (per interface, per protocol): code
+    that used the network, even only to fail to reach it, leaves them changed, and they cannot be reset."""
+    counters = []
+    for table in ("dev", "snmp", "snmp6"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/net/{table}", "rb") as handle:
+            counters.append(handle.read())
+    return counters
+
+
+RLIMITS = tuple(name for name in dir(resource) if name.startswith("RLIMIT_"))
 
 
 def snapshot(lib: Any) -> Job:
@@ -401,16 +427,20 @@ def snapshot(lib: Any) -> Job:
     return {
         "wiped": {path: dir_state(path) for path in wiped},
         "dev": dev_entries() if os.access("/dev", os.W_OK) else None,
-        "rlimits": {
-            name: resource.getrlimit(getattr(resource, name))
-            for name in dir(resource)
-            if name.startswith("RLIMIT_")
+        # Directories the code can read but not restore (Docker's /dev is writable to root alone; its
+        # access time still moves when it is listed): they must not change at all.
+        "fixed": {
+            path: dir_state(path)
+            for path in ("/dev", "/dev/pts", "/dev/mqueue")
+            if path not in wiped and os.path.isdir(path)
         },
+        "rlimits": {name: resource.getrlimit(getattr(resource, name)) for name in RLIMITS},
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
         "ioprio": syscall(lib, SYS_IOPRIO_GET, IOPRIO_WHO_PROCESS, 0),
         "scheduler": os.sched_getscheduler(0),
         "affinity": os.sched_getaffinity(0),
         "sockets": sockets(),
+        "network": network_counters(),
     }
 
 
@@ -450,6 +480,8 @@ def remove_ipc(lib: Any) -> None:
     for kind in ("shm", "sem", "msg"):
         with open(f"/proc/sysvipc/{kind}") as table:
             ids = [int(line.split()[1]) for line in table.readlines()[1:] if line.strip()]
+        if not ids:
+            continue
         for ident in ids:  # IPC_RMID is 0; semctl takes a semaphore number before the command
             if kind == "sem":
                 lib.semctl(ident, 0, 0)
@@ -491,9 +523,10 @@ def reset(clean: Job, lib: Any) -> None:
             raise RuntimeError("/dev was changed")
     # Same-uid code may lower this process's rlimits (prlimit), priorities or affinity, which the next
     # episode would inherit, and the network namespace keeps sockets in TIME_WAIT after their processes
-    # are gone: none of that can be undone from here, so refuse to go on rather than hand it on.
+    # are gone and counts its traffic: none of that can be undone from here, so refuse to go on rather
+    # than hand it on.
     now = snapshot(lib)
-    for key in ("rlimits", "nice", "ioprio", "scheduler", "affinity", "sockets"):
+    for key in ("fixed", "rlimits", "nice", "ioprio", "scheduler", "affinity", "sockets", "network"):
         if now[key] != clean[key]:
             raise RuntimeError(f"the sandbox's {key} changed")
 
@@ -625,11 +658,7 @@ def session(limits: Job, status_fd: int) -> None:
     # sandbox to another episode (Docker runs one container per session and never asks to reset).
     recyclable = os.getpid() == 1
     signal.signal(signal.SIGCHLD, reap_children)
-    announce_start(status_fd)
-    host_in, host_out = os.dup(0), os.dup(1)
-    replace_fd(os.open(os.devnull, os.O_RDONLY), 0)
-    replace_fd(os.open(os.devnull, os.O_WRONLY), 1)
-    clean = snapshot(lib)
+    host_in, host_out, clean = take_host_pipes(status_fd, lib)
     status = 0
     try:
         to_repl, from_repl, pidfd = fork_repl(limits, (host_in, host_out), lib)
@@ -660,6 +689,184 @@ def session(limits: Job, status_fd: int) -> None:
         status = 1
     # Take the episode's processes down with us (the host sees EOF once every holder of the pipes is
     # gone; as PID 1, our exit alone ends the namespace).
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(-1, signal.SIGKILL)
+    os._exit(status)
+
+
+# -- the one-shot zygote: one sandbox serves many runs, each in a freshly forked process ----------------
+#
+# As the session zygote, it is PID 1, non-dumpable and the only process holding the host's pipes, and
+# it never reads what a run sends or writes: the job and the output move with splice(2). The next run's
+# process is forked ahead of time (the modules snippets use already imported), so a run costs a fork's
+# copy-on-write pages, not an interpreter start. A run's stdout and stderr are pipes of the zygote,
+# relayed as typed frames; once the run's process has exited the zygote kills every other process of
+# the sandbox, relays what is left in the pipes and only then sends the exit frame, so a run's output
+# is complete and nothing of it can follow. Then it resets the sandbox (`reset`, as between sessions:
+# processes, files, IPC, keyrings, and its own limits and the network namespace checked) and forks the
+# next process; a sandbox it cannot reset ends with a `!reason` line.
+#
+# Host -> zygote: `SIZE\n` + SIZE bytes (a job, relayed unread to the waiting process).
+# Zygote -> host: `r\n` (ready for a job); `1 SIZE\n` or `2 SIZE\n` + SIZE bytes (the run's stdout or
+# stderr); `x CODE STARTED\n` (the run is over: its exit code or minus the signal that killed it, and 1
+# if it reached the user's code); `!reason\n` (the zygote gives up and the sandbox ends).
+
+
+class Run:
+    """A forked run process waiting for its job, and the zygote's ends of its pipes."""
+
+    def __init__(self, pid: int, job: int, out: int, err: int, status: int) -> None:
+        self.pid, self.job, self.out, self.err, self.status = pid, job, out, err, status
+
+
+def fork_run(lib: Any) -> Run:
+    """Fork the next run's process; it waits for its job (the modules it needs are loaded)."""
+    job_read, job_write = os.pipe()
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    status_read, status_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            replace_fd(os.open(os.devnull, os.O_RDONLY), 0)
+            os.dup2(out_write, 1)
+            os.dup2(err_write, 2)
+            # Nothing of the zygote's (the host's pipes, the other runs' ends) may reach the code.
+            low, high = sorted((job_read, status_write))
+            os.closerange(3, low)
+            os.closerange(low + 1, high)
+            os.closerange(high + 1, 1 << 20)
+            # The zygote is non-dumpable; the run's own process must not be (or its /proc/self files
+            # turn root-owned and unreadable to it).
+            lib.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+            syscall(lib, SYS_KEYCTL, KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh keyring, dies with the run
+            # POSIX message queues outlive the run in the IPC namespace and cannot be listed: none.
+            resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
+            job = read_frame(job_read)
+            if job is None:
+                os._exit(0)  # the zygote is ending
+            os.close(job_read)
+            run_job(job, status_write)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(1)
+    for fd in (job_read, out_write, err_write, status_write):
+        os.close(fd)
+    os.set_blocking(status_read, False)
+    return Run(pid, job_write, out_read, err_read, status_read)
+
+
+def pending_bytes(fd: int) -> int:
+    """Bytes waiting in a pipe (FIONREAD)."""
+    import fcntl
+    import termios
+
+    return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, bytes(4)), sys.byteorder, signed=True)
+
+
+def relay_output(source: int, tag: bytes, target: int) -> bool:
+    """Pass what waits in a run's output pipe to the host as one frame; False if nothing waits."""
+    size = pending_bytes(source)
+    if size <= 0:
+        return False
+    write_all(target, b"%s %d\n" % (tag, size))
+    splice_exactly(source, target, size)
+    return True
+
+
+def reap_run(pid: int) -> int | None:
+    """Reap every child that has exited; the run's exit code once its process is among them."""
+    code = None
+    with contextlib.suppress(ChildProcessError):
+        while True:
+            found, status = os.waitpid(-1, os.WNOHANG)
+            if found == 0:
+                break
+            if found == pid:
+                code = os.waitstatus_to_exitcode(status)
+    return code
+
+
+def serve_run(run: Run, job_header: tuple[bytes, int, int], host_in: int, host_out: int, wake: int) -> None:
+    """Hand the job to the run's process, relay its output until it exits, end every other process of
+    the sandbox, relay what is left, and send the exit frame."""
+    import select
+
+    header, start, extra = job_header
+    pass_on(run.job, header, start, extra, int(header), host_in, None)
+    os.close(run.job)
+    tags = {run.out: b"1", run.err: b"2"}
+    poller = select.poll()
+    for fd in (*tags, wake):
+        poller.register(fd, select.POLLIN)
+    code = None
+    while code is None:
+        for fd, events in poller.poll():
+            if fd == wake:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake, 4096)
+                code = reap_run(run.pid)
+            elif not (events & select.POLLIN and relay_output(fd, tags[fd], host_out)):
+                poller.unregister(fd)  # closed by every writer, and empty
+    kill_all()  # nothing of the run may outlive it, or write after its exit frame
+    for fd, tag in tags.items():
+        while relay_output(fd, tag, host_out):
+            pass
+        os.close(fd)
+    try:
+        started = os.read(run.status, 1) == b"R"
+    except BlockingIOError:
+        started = False
+    os.close(run.status)
+    write_all(host_out, b"x %d %d\n" % (code, started))
+
+
+def oneshot_zygote(status_fd: int, preload: tuple[str, ...]) -> None:
+    """The one-shot zygote: serves runs one after another, each in a fresh process forked from it, and
+    resets the sandbox after each. Anything it cannot restore ends the sandbox (`!reason`, exit)."""
+    lib = libc()
+    if lib.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError("prctl(PR_SET_DUMPABLE) failed")
+    # Only as PID 1 is the zygote the sole holder of the host's pipes and the reaper of every process
+    # of the sandbox; otherwise it serves one run and exits.
+    recyclable = os.getpid() == 1
+    for name in preload:
+        __import__(name)
+    import gc
+
+    # What the zygote holds is shared with every run's process until written: keep the collector from
+    # walking (and so copying) it in each of them.
+    gc.freeze()
+    wake_read, wake_write = os.pipe()
+    for fd in (wake_read, wake_write):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_write)  # SIGCHLD wakes the relay loop's poll
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    host_in, host_out, clean = take_host_pipes(status_fd, lib)
+    status = 0
+    try:
+        while True:
+            run = fork_run(lib)
+            write_all(host_out, b"r\n")
+            try:
+                header = read_header(host_in, None)
+            except EOFError:
+                break  # the host discarded this sandbox
+            if not header[0].isdigit() or len(header[0]) > HEADER_DIGITS:
+                raise RuntimeError("a malformed job header from the host")
+            serve_run(run, header, host_in, host_out, wake_read)
+            if not recyclable:
+                break
+            reset(clean, lib)
+    except BaseException as error:
+        traceback.print_exc()
+        reason = f"{type(error).__name__}: {error}".replace("\n", " ")[:200]
+        with contextlib.suppress(OSError):
+            write_all(host_out, b"!%s\n" % reason.encode())
+        status = 1
     with contextlib.suppress(ProcessLookupError):
         os.kill(-1, signal.SIGKILL)
     os._exit(status)
@@ -771,6 +978,8 @@ def setup_root(spec: Job) -> None:
     mount(
         "tmpfs", new + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777,uid={uid},gid={uid}"
     )
+    # /dev read-only, as bubblewrap's: not even its access time moves (recycled sandboxes check it).
+    mount(None, new + "/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
     os.mkdir(new + "/proc")
     mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for path in (spec["work"], "/tmp"):
@@ -810,12 +1019,13 @@ def close_inherited_fds(keep: int) -> None:
 
 
 if __name__ == "__main__":
-    # argv: MODE STATUS_FD LIMITS_JSON|- [ROOT_SPEC_JSON]. STATUS_FD is -1 where the host needs no start
-    # signal; ROOT_SPEC_JSON is given only by the `unshare` fallback (bubblewrap builds the root itself).
+    # argv: MODE STATUS_FD LIMITS_JSON|PRELOAD_JSON [ROOT_SPEC_JSON]. STATUS_FD is -1 where the host needs
+    # no start signal; the third argument is a session's limits, or the modules a one-shot zygote
+    # imports; ROOT_SPEC_JSON is given only by the `unshare` fallback (bubblewrap builds the root itself).
     close_inherited_fds(int(sys.argv[2]))
     if len(sys.argv) > 4:
         setup_root(json.loads(sys.argv[4]))
     if sys.argv[1] == "session":
         session(json.loads(sys.argv[3]), int(sys.argv[2]))
     else:
-        oneshot(int(sys.argv[2]))
+        oneshot_zygote(int(sys.argv[2]), tuple(json.loads(sys.argv[3])))

@@ -93,7 +93,7 @@ class Child:
         """Read exactly `size` bytes from one of the child's pipes; EOFError if it closes first."""
         data = bytearray()
         while len(data) < size:
-            chunk = await self._read_chunk(fd, size - len(data))
+            chunk = await self.read_chunk(fd, size - len(data))
             if not chunk:
                 raise EOFError("the sandbox closed its pipe")
             data += chunk
@@ -111,14 +111,15 @@ class Child:
     async def drain(self, fd: int, capture: OutputCapture, kill_after: int | None = None) -> bool:
         """Read a pipe to EOF into `capture`; True if more than `kill_after` bytes arrived (flood)."""
         while True:
-            chunk = await self._read_chunk(fd, _CHUNK)
+            chunk = await self.read_chunk(fd, _CHUNK)
             if not chunk:
                 return False
             capture.feed(chunk)
             if kill_after is not None and capture.total > kill_after:
                 return True
 
-    async def _read_chunk(self, fd: int, size: int) -> bytes:
+    async def read_chunk(self, fd: int, size: int = _CHUNK) -> bytes:
+        """Up to `size` bytes from one of the child's pipes, once some arrive; b"" at its end."""
         while True:
             try:
                 return os.read(fd, size)

@@ -20,6 +20,23 @@ from sandbox.result import ExecResult, ExecStatus, OutputCapture
 
 LAUNCHER_SOURCE = resources.files("sandbox").joinpath("_launcher.py").read_text()
 """The launcher's source, passed with `python3 -I -c` so no sandbox needs a copy of it."""
+PRELOAD = (
+    "bisect",
+    "collections",
+    "datetime",
+    "decimal",
+    "fractions",
+    "functools",
+    "heapq",
+    "itertools",
+    "math",
+    "random",
+    "re",
+    "statistics",
+    "string",
+)
+"""Standard-library modules a one-shot sandbox's zygote imports by default, so that the runs forked
+from it find them loaded (`LocalOptions.preload`, `DockerOptions.preload`)."""
 WORK_DIR = "/work"
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 """The whole environment of sandboxed code."""
@@ -112,6 +129,72 @@ def decode_reply(payload: bytes, limits: Limits) -> dict[str, Any]:
             raise SandboxProtocolError(f"a reply from the sandbox with inconsistent {stream} sizes")
         reply[stream] = data
     return dict(reply)
+
+
+class ZygoteFrames:
+    """What a one-shot zygote writes on its stdout (see `oneshot_zygote` in sandbox/_launcher.py),
+    parsed as it arrives: a run's output goes into the captures of the run in flight, the control
+    frames set `ready`, `exit` and `failure`. Anything malformed, or out of turn, raises
+    SandboxProtocolError (the host then ends the sandbox)."""
+
+    _HEADER_CAP = 64
+
+    def __init__(self) -> None:
+        self._header = bytearray()
+        self._left = 0
+        """Payload bytes of the output frame being read that are still to come."""
+        self._target: OutputCapture | None = None
+        self._run: tuple[OutputCapture, OutputCapture] | None = None
+        self.ready = False
+        """The zygote waits for a job (set by `r`, cleared by `begin`)."""
+        self.exit: tuple[int, bool] | None = None
+        """(exit code or minus a signal, whether the run reached the user's code) once it is over."""
+        self.failure: str | None = None
+        """Why the zygote gave up (its `!reason` line)."""
+
+    def begin(self, out: OutputCapture, err: OutputCapture) -> None:
+        """A job was sent: its output goes to `out` and `err` until its exit frame."""
+        if not self.ready:
+            raise RuntimeError("a job for a sandbox that is not ready")
+        self.ready, self.exit, self._run = False, None, (out, err)
+
+    def feed(self, data: bytes) -> None:
+        position = 0
+        while position < len(data):
+            if self._left:
+                chunk = data[position : position + self._left]
+                assert self._target is not None
+                self._target.feed(chunk)
+                self._left -= len(chunk)
+                position += len(chunk)
+                continue
+            end = data.find(b"\n", position)
+            self._header += data[position : len(data) if end < 0 else end]
+            if len(self._header) > self._HEADER_CAP:
+                raise SandboxProtocolError("a malformed frame header from the sandbox")
+            if end < 0:
+                return
+            position = end + 1
+            header, self._header = bytes(self._header), bytearray()
+            self._control(header)
+
+    def _control(self, header: bytes) -> None:
+        kind, _, rest = header.partition(b" ")
+        running = self._run is not None and self.exit is None
+        if header.startswith(b"!"):
+            self.failure = header[1:200].decode("utf-8", "replace")
+        elif header == b"r" and not self.ready and not running:
+            self.ready, self._run = True, None
+        elif kind in (b"1", b"2") and running and rest.isdigit() and len(rest) <= 12:
+            assert self._run is not None
+            self._target, self._left = self._run[int(kind) - 1], int(rest)
+        elif kind == b"x" and running:
+            code, _, started = rest.partition(b" ")
+            if not code.lstrip(b"-").isdigit() or len(code) > 12 or started not in (b"0", b"1"):
+                raise SandboxProtocolError(f"a malformed exit frame {header[:40]!r} from the sandbox")
+            self.exit = (int(code), started == b"1")
+        else:
+            raise SandboxProtocolError(f"an unexpected frame {header[:40]!r} from the sandbox")
 
 
 class UidPool:

@@ -1,15 +1,22 @@
-"""The `docker` backend: one throwaway container per run (or per session), driven through dockerd.
+"""The `docker` backend: warm containers reset between runs, one container per session, via dockerd.
 
 Every container has no network (`network_mode="none"`), a read-only root, size-capped tmpfs mounts
-at /work and /tmp, memory, swap, pid and CPU caps, no capabilities, `no-new-privileges`, and a
-non-root user (by default a uid of its own, so RLIMIT_NPROC counts never mix between containers).
-Its PID 1 only waits and reaps; code runs through `docker exec` of the same in-sandbox launcher as
-the local backend (sandbox/_launcher.py), so rlimits, files, stdin and results mean the same thing.
+at /work, /tmp and /dev/shm owned by its user, memory, swap, pid and CPU caps, no capabilities,
+`no-new-privileges`, and a non-root user (by default a uid of its own, so RLIMIT_NPROC counts never
+mix between containers). It runs the same in-sandbox launcher as the local backend
+(sandbox/_launcher.py), so rlimits, files, stdin and results mean the same thing.
 
-Latency: a warm container is created, started, and has its launcher already exec'd and waiting for
-its job on stdin, so a run costs one write, the code's own run time, and one `exec_inspect`. Each
-container serves one run (or one session = one episode) and is then removed in the background, and
-the pool refills itself.
+One-shot runs: the container's PID 1 is the launcher's one-shot zygote, attached before the
+container starts (its stdin, stdout and stderr are one hijacked connection). It serves one run after
+another in processes forked from it and resets the container after each (every process killed, the
+work dir, /tmp and /dev/shm wiped, its own limits and the network namespace checked), as in the local
+backend; a run costs a write and the code's own run time, no call to the daemon. A container goes
+back to the warm pool only once its zygote confirmed the reset, and only where this host can read
+the container's cgroup (its CPU time and OOM kills are then counted per run); a run the host had to
+end (timeout, CPU, flood) or a reset that failed gets the container removed, never reused.
+
+Sessions: PID 1 only waits and reaps, and the session launcher runs through `docker exec`; each
+session (one episode) gets a container of its own, removed after it.
 
 The docker SDK is blocking, so its calls run on a small thread pool owned by the backend. The exec
 streams do not: they are "hijacked" HTTP connections opened here with asyncio, so the multiplexed
@@ -33,6 +40,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -45,10 +53,12 @@ from docker.errors import DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig
 
 from sandbox._cgroup import ContainerCgroup, SessionCpuWatch, cpu_budget, cpus_available
+from sandbox._handover import hand_over, wait_in_line
 from sandbox._hide_proc import HIDE_PROC_EXIT, HIDE_PROC_FAILED
 from sandbox._protocol import (
     DIED_NOTICE,
     LAUNCHER_SOURCE,
+    PRELOAD,
     READY_CAP,
     RESTART_NOTICE,
     SANDBOX_ENV,
@@ -56,6 +66,7 @@ from sandbox._protocol import (
     WORK_DIR,
     SandboxProtocolError,
     UidPool,
+    ZygoteFrames,
     decode_ready,
     decode_reply,
     frame_size,
@@ -85,6 +96,9 @@ _EXEC_FAILED = "OCI runtime exec failed"
 _HIDE_PROC_SOURCE = resources.files("sandbox").joinpath("_hide_proc.py").read_text()
 """Run ahead of the launcher when `DockerOptions.hide_proc` (see sandbox/_hide_proc.py)."""
 _STREAM_CHUNK = 65536
+_MAX_RUNS = 256
+"""One-shot runs one container serves before it is replaced (bounds what a slow leak could accumulate)."""
+_RESET_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -96,7 +110,13 @@ class DockerOptions:
     build_image: bool = True
     """When the daemon lacks `image`, build it from the host's interpreter (sandbox.image); else fail."""
     warm_pool: int = 4
-    """Containers kept started, with a launcher waiting for its job; 0 starts each run cold."""
+    """Containers kept started, with a zygote waiting for a job; 0 starts each run cold (in a
+    container of its own, removed after the run)."""
+    idle_oneshot: int = 16
+    """Containers reset after a one-shot run kept waiting (at least `warm_pool`): a burst of concurrent
+    runs starts this many, and the next burst finds them ready."""
+    preload: tuple[str, ...] = PRELOAD
+    """Modules a one-shot container's zygote imports, so that the runs forked from it find them loaded."""
     max_concurrency: int = 16
     """Runs and session calls executing at once; more wait their turn."""
     base_url: str | None = None
@@ -121,8 +141,14 @@ class DockerOptions:
     run is a `sandbox_error` saying so otherwise)."""
 
     def __post_init__(self) -> None:
-        if self.warm_pool < 0 or self.max_concurrency < 1 or self.uid_count < 1 or self.api_threads < 1:
-            raise ValueError("warm_pool must be >= 0; max_concurrency, uid_count and api_threads >= 1")
+        if min(self.warm_pool, self.idle_oneshot) < 0:
+            raise ValueError("warm_pool and idle_oneshot must be >= 0")
+        if self.max_concurrency < 1 or self.uid_count < 1 or self.api_threads < 1:
+            raise ValueError("max_concurrency, uid_count and api_threads must be >= 1")
+        if not all(
+            isinstance(name, str) and all(map(str.isidentifier, name.split("."))) for name in self.preload
+        ):
+            raise ValueError(f"preload must be module names, got {self.preload!r}")
         if not 0 < self.cpus <= 1024 or not 0 < self.api_timeout_s <= 3600:
             raise ValueError(f"cpus ({self.cpus}) and api_timeout_s ({self.api_timeout_s}) must be positive")
         if self.user is not None and self.user.split(":")[0] in ("", "0", "root"):
@@ -143,16 +169,28 @@ class _Shape:
     def of(cls, limits: Limits) -> _Shape:
         return cls(limits.memory_mb, limits.work_dir_mb, limits.max_processes)
 
-    def host_config(self, api: Any, cpus: float) -> Any:
+    def host_config(self, api: Any, cpus: float, owner: str | None) -> Any:
+        """`owner` ("uid,gid" of the container's user, where numeric) owns the tmpfs mounts, so that a
+        zygote can restore their modes and times after a run."""
         tmpfs = f"rw,exec,nosuid,nodev,size={self.work_dir_mb}m,mode=1777"
+        if owner is not None:
+            uid, gid = owner.split(",")
+            tmpfs += f",uid={uid},gid={gid}"
         # RLIMIT_AS stops one process at memory_mb; the cgroup holds every process of the container
         # together, tmpfs and /dev/shm pages included, to the same figure.
         memory = f"{self.memory_mb}m"
         return api.create_host_config(
             network_mode="none",
             read_only=True,
-            tmpfs={WORK_DIR: tmpfs, "/tmp": tmpfs},
-            shm_size=f"{self.work_dir_mb}m",
+            tmpfs={
+                WORK_DIR: tmpfs,
+                "/tmp": tmpfs,
+                # As Docker's own /dev/shm (noexec, the same size), but owned by the container's user.
+                "/dev/shm": tmpfs.replace(",exec,", ",noexec,"),
+                # The container's cgroup files count the CPU time and peak memory of every run it
+                # served: the code sees none (as in a local sandbox, which has no /sys at all).
+                "/sys/fs/cgroup": "ro,nosuid,nodev,noexec,size=4k,mode=555",
+            },
             mem_limit=memory,
             memswap_limit=memory,
             pids_limit=self.max_processes + 8,  # RLIMIT_NPROC is the real cap; this one contains escapes
@@ -164,7 +202,8 @@ class _Shape:
 
 
 class _ExecStream:
-    """The hijacked connection of one `docker exec`: our bytes to its stdin, its stdout/stderr back.
+    """The hijacked connection of one `docker exec` or container attach: our bytes to its stdin, its
+    stdout/stderr back.
 
     Docker multiplexes the two output streams with 8-byte headers (stream id, 3 zero bytes, size as
     big-endian uint32); `read_chunk` undoes that without ever holding more than one chunk.
@@ -177,16 +216,16 @@ class _ExecStream:
         self._remaining = 0
 
     @classmethod
-    async def open(cls, address: tuple[str, str, int], api_version: str, exec_id: str) -> _ExecStream:
+    async def open(cls, address: tuple[str, str, int], path: str, body: bytes) -> _ExecStream:
+        """POST `body` to `path` (an exec's start, a container's attach) and keep the upgraded connection."""
         scheme, host, port = address
         if scheme == "unix":
             reader, writer = await asyncio.open_unix_connection(host)
         else:
             reader, writer = await asyncio.open_connection(host, port)
         try:
-            body = b'{"Detach": false, "Tty": false}'
             writer.write(
-                f"POST /v{api_version}/exec/{exec_id}/start HTTP/1.1\r\nHost: docker\r\n"
+                f"POST {path} HTTP/1.1\r\nHost: docker\r\n"
                 f"Content-Type: application/json\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n".encode()
                 + body
@@ -199,9 +238,7 @@ class _ExecStream:
                 headers[name.strip().lower()] = value.strip()
             if len(status) < 2 or status[1] not in (b"101", b"200"):
                 detail = await reader.read(int(headers.get("content-length", "0")) or 2000)
-                raise DockerException(
-                    f"exec start failed: {b' '.join(status[1:]).decode()} {detail.decode()}"
-                )
+                raise DockerException(f"{path} failed: {b' '.join(status[1:]).decode()} {detail.decode()}")
         except BaseException:
             writer.close()
             raise
@@ -239,7 +276,7 @@ class _ExecStream:
 
 
 class _Box:
-    """One container, with the exec of its launcher once started."""
+    """One container, with the stream of its launcher (a one-shot zygote's attach, a session's exec)."""
 
     def __init__(self, container_id: str, shape: _Shape, uid: int | None, since: float = 0.0) -> None:
         self.id = container_id
@@ -251,14 +288,36 @@ class _Box:
         self.stream: _ExecStream | None = None
         self.cgroup: ContainerCgroup | None = None
         """The container's cgroup files on this host (its CPU time and freezer), where readable."""
+        self.frames = ZygoteFrames()
+        """What a one-shot zygote wrote on stdout, parsed (its control frames, a run's output)."""
+        self.stderr = OutputCapture(4096)
+        """What the zygote itself wrote on stderr (why it failed, if it did)."""
+        self.runs = 0
+        self.recyclable = False
+        """This host reads the container's CPU time and OOM kills, so they can be counted per run."""
 
     @property
     def ready(self) -> bool:
         return self.stream is not None and self.stream.is_open
 
+    async def read_frames(self, until: Callable[[], bool]) -> bool:
+        """Feed the one-shot zygote's output to `frames` until `until()` holds; False if the stream
+        ended first. SandboxProtocolError for anything malformed, the daemon's errors as they come."""
+        assert self.stream is not None
+        while not until():
+            item = await self.stream.read_chunk()
+            if item is None:
+                return False
+            stream_id, chunk = item
+            if stream_id == 2:
+                self.stderr.feed(chunk)
+            else:
+                self.frames.feed(chunk)
+        return True
+
 
 class DockerBackend:
-    """Runs code in single-use Docker containers."""
+    """Runs code in Docker containers: one-shot runs in warm ones reset between runs, sessions in one each."""
 
     name = "docker"
 
@@ -282,6 +341,15 @@ class DockerBackend:
         self._pool_shape = _Shape.of(Limits())
         self._starting: list[tuple[_Shape, asyncio.Task[_Box]]] = []
         """Pool boxes being started, not yet claimed by a run."""
+        self._lent: dict[_Shape, int] = {}
+        """Boxes in a run, per shape (they count toward the pool: most come back)."""
+        self._returning: dict[_Shape, int] = {}
+        """Boxes whose reset is in flight, per shape."""
+        self._waiting: dict[_Shape, deque[asyncio.Future[_Box | None]]] = {}
+        """Runs waiting for a resetting box, first come first served."""
+        self._resets: set[asyncio.Task[None]] = set()
+        self.recycled = 0
+        """Containers reset and returned to the warm pool after a run (a counter, for tests)."""
         self._removing: set[asyncio.Task[None]] = set()
         self._sessions: set[DockerSession] = set()
         self._created_any = False
@@ -324,19 +392,27 @@ class DockerBackend:
         """`APIClient.<method>(...)` on a backend thread (the client itself is made there too)."""
         return await self._call(lambda: getattr(self._api(), method)(*args, **kwargs))
 
-    def _create(self, shape: _Shape, uid: int | None) -> str:
-        """Create and start one container; returns its id (the container is removed if start fails)."""
+    def _create(self, shape: _Shape, uid: int | None, zygote: bool) -> str:
+        """Create one container (a one-shot zygote's, stdin open for the attach, or a session's, whose
+        PID 1 only reaps); returns its id."""
         api = self._api()
         user = self.options.user or f"{uid}:{uid}"
+        ids = user.split(":")
+        owner = f"{ids[0]},{ids[-1]}" if all(part.isdigit() for part in ids) else None
+        command = list(IDLE_COMMAND)
+        if zygote:
+            command = [self.options.python, "-I", "-c", self._launcher, "oneshot", "-1"]
+            command.append(json.dumps(self.options.preload))
         config = {
-            "command": list(IDLE_COMMAND),
+            "command": command,
             "user": user,
             "working_dir": WORK_DIR,
             "environment": SANDBOX_ENV,
             "hostname": "sandbox",
             "labels": self._labels,
-            "host_config": shape.host_config(api, self.options.cpus),
+            "host_config": shape.host_config(api, self.options.cpus, owner),
             "stop_signal": "SIGKILL",  # PID 1 ignores SIGTERM; a daemon shutdown must not wait for it
+            "stdin_open": zygote,  # with stdin_once: the zygote's stdin closes when our attach does
         }
         try:
             container_id: str = api.create_container(self.options.image, **config)["Id"]
@@ -347,13 +423,25 @@ class DockerBackend:
                 ensure_image(self.options.image, base_url=self._url)
             container_id = api.create_container(self.options.image, **config)["Id"]
         self._created_any = True
+        return container_id
+
+    def _start_container(self, container_id: str) -> None:
+        """Start a created container (removed if that fails)."""
         try:
-            api.start(container_id)
+            self._api().start(container_id)
         except BaseException:
             with contextlib.suppress(*_FAILURES):
-                api.remove_container(container_id, force=True)
+                self._api().remove_container(container_id, force=True)
             raise
+
+    def _create_started(self, shape: _Shape, uid: int | None) -> str:
+        container_id = self._create(shape, uid, zygote=False)
+        self._start_container(container_id)
         return container_id
+
+    @property
+    def _launcher(self) -> str:
+        return _HIDE_PROC_SOURCE + LAUNCHER_SOURCE if self.options.hide_proc else LAUNCHER_SOURCE
 
     def _oom_killed(self, box: _Box) -> bool:
         """Whether the cgroup's OOM killer struck in this container (docker only flags OOMKilled on
@@ -380,30 +468,52 @@ class DockerBackend:
 
     # -- containers ----------------------------------------------------------------------------------
 
-    async def _start_box(self, shape: _Shape, *launcher_args: str) -> _Box:
-        """A started container whose launcher is exec'd and attached (waiting for its job or requests)."""
+    async def _new_box(self, shape: _Shape, create: Callable[..., str], *args: Any) -> _Box:
+        """A box for the container `create(shape, uid, *args)` makes on a worker thread, under a uid of
+        the pool. Cancelled meanwhile, the thread still finishes: the container is removed when it does."""
         uid = self._uids.take() if self._uids is not None else None
         since = time.time()
-        created = asyncio.ensure_future(self._call(self._create, shape, uid))
+        created = asyncio.ensure_future(self._call(create, shape, uid, *args))
         try:
             container_id = await asyncio.shield(created)
         except asyncio.CancelledError:
-            # The thread still finishes creating the container; remove it when it does.
             created.add_done_callback(functools.partial(self._remove_late, uid))
             raise
         except BaseException:
             self._give_uid(uid)
             raise
-        box = _Box(container_id, shape, uid, since)
+        return _Box(container_id, shape, uid, since)
+
+    async def _start_zygote(self, shape: _Shape) -> _Box:
+        """A container whose PID 1 is a one-shot zygote, attached before it started (so nothing it
+        writes is missed); it says when it is ready for a job."""
+        box = await self._new_box(shape, self._create, True)
+        container_id = box.id
+        try:
+            path = f"/v{self._client.api.api_version}/containers/{container_id}/attach"
+            path += "?stream=1&stdin=1&stdout=1&stderr=1"
+            box.stream = await _ExecStream.open(self._address, path, b"")
+            await self._call(self._start_container, container_id)
+            box.cgroup = ContainerCgroup.find(container_id)
+            box.recyclable = box.cgroup is not None and box.cgroup.oom_kills() is not None
+        except BaseException:
+            self._dispose(box)
+            raise
+        return box
+
+    async def _start_box(self, shape: _Shape, *launcher_args: str) -> _Box:
+        """A started container whose launcher is exec'd and attached (a session's interpreter)."""
+        box = await self._new_box(shape, self._create_started)
+        container_id = box.id
         box.cgroup = ContainerCgroup.find(container_id)
         try:
-            source = _HIDE_PROC_SOURCE + LAUNCHER_SOURCE if self.options.hide_proc else LAUNCHER_SOURCE
-            command = [self.options.python, "-I", "-c", source, *launcher_args]
+            command = [self.options.python, "-I", "-c", self._launcher, *launcher_args]
             created_exec = await self._api_call(
                 "exec_create", container_id, command, stdin=True, stdout=True, stderr=True, workdir=WORK_DIR
             )
             box.exec_id = created_exec["Id"]
-            box.stream = await _ExecStream.open(self._address, self._client.api.api_version, box.exec_id)
+            path = f"/v{self._client.api.api_version}/exec/{box.exec_id}/start"
+            box.stream = await _ExecStream.open(self._address, path, b'{"Detach": false, "Tty": false}')
         except BaseException:
             self._dispose(box)
             raise
@@ -463,7 +573,8 @@ class DockerBackend:
         return True
 
     def _refill(self) -> None:
-        """Start boxes until warm plus starting ones of the wanted shape make `warm_pool`.
+        """Start boxes until those of the wanted shape (warm, starting, in a run or resetting) make
+        `warm_pool`.
 
         A start that fails is dropped silently: the next run then starts cold, reports the failure,
         and calls this again. No task loops here, so a dead daemon costs one failed call per slot.
@@ -472,8 +583,9 @@ class DockerBackend:
             return
         shape = self._pool_shape
         have = sum(box.shape == shape for box in self._warm) + sum(s == shape for s, _ in self._starting)
+        have += self._lent.get(shape, 0) + self._returning.get(shape, 0)
         for _ in range(self.options.warm_pool - have):
-            task = asyncio.get_running_loop().create_task(self._start_box(shape, "oneshot", "-1", "-"))
+            task = asyncio.get_running_loop().create_task(self._start_zygote(shape))
             entry = (shape, task)
             self._starting.append(entry)
             task.add_done_callback(functools.partial(self._landed, entry))
@@ -485,7 +597,18 @@ class DockerBackend:
         self._starting.remove(entry)
         if task.cancelled() or task.exception() is not None:
             return
-        self._warm.append(task.result())
+        self._put_ready(task.result())
+
+    def _put_ready(self, box: _Box) -> None:
+        """A box ready for a job: to the first run waiting for its shape, else into the pool (removed
+        when the pool already holds `idle_oneshot` of its shape)."""
+        if hand_over(self._waiting.get(box.shape, deque()), box):
+            return
+        same = sum(other.shape == box.shape for other in self._warm)
+        if self._closed or same >= max(self.options.warm_pool, self.options.idle_oneshot):
+            self._dispose(box)
+            return
+        self._warm.append(box)
         self._trim()
 
     def _trim(self) -> None:
@@ -504,14 +627,34 @@ class DockerBackend:
             self._dispose(box)
 
     async def _take_box(self, limits: Limits) -> _Box:
+        """A box for one run, counted as lent (a run's box returns to the pool unless `_end_run` says
+        otherwise): a warm one, else one about to finish its reset, else one starting, else a new one."""
         shape = _Shape.of(limits)
         self._pool_shape = shape  # the pool follows what runs ask for
-        for box in [box for box in self._warm if box.shape == shape]:
-            self._warm.remove(box)
-            if box.ready:
-                self._refill()
-                return box
-            self._dispose(box)
+        self._lent[shape] = self._lent.get(shape, 0) + 1
+        try:
+            return await self._find_box(shape)
+        except BaseException:
+            self._lent[shape] -= 1
+            raise
+
+    async def _find_box(self, shape: _Shape) -> _Box:
+        while True:
+            for box in [box for box in reversed(self._warm) if box.shape == shape]:
+                self._warm.remove(box)  # the most recently reset first: still hot in the caches
+                if box.ready:
+                    self._refill()
+                    return box
+                self._dispose(box)
+            waiting = self._waiting.setdefault(shape, deque())
+            if self._returning.get(shape, 0) <= len(waiting):
+                break
+            # A reset takes milliseconds, a new container hundreds of them: wait for the reset.
+            handed = await wait_in_line(waiting, self._put_ready)
+            if handed is not None:
+                return handed
+            if self._closed:
+                raise RuntimeError("this sandbox is closed")
         # No warm box: claim one already starting for the pool rather than start yet another, which
         # would only compete with it for the daemon's time.
         claimed = next((entry for entry in self._starting if entry[0] == shape), None)
@@ -519,7 +662,7 @@ class DockerBackend:
             self._starting.remove(claimed)
         self._refill()
         if claimed is None:
-            return await self._start_box(shape, "oneshot", "-1", "-")
+            return await self._start_zygote(shape)
         try:
             return await asyncio.shield(claimed[1])
         except asyncio.CancelledError:
@@ -529,6 +672,45 @@ class DockerBackend:
     def _dispose_started(self, task: asyncio.Task[_Box]) -> None:
         if not task.cancelled() and task.exception() is None:
             self._dispose(task.result())
+
+    def _end_run(self, box: _Box, reusable: bool) -> None:
+        """After a run: a box whose run ended by itself goes back once its zygote confirms the reset (in
+        the background), where this host can count its CPU time and OOM kills per run; any other is
+        removed and replaced."""
+        self._lent[box.shape] -= 1
+        if (
+            reusable
+            and not self._closed
+            and self.options.warm_pool > 0
+            and box.runs < _MAX_RUNS
+            and box.ready
+            and box.recyclable
+        ):
+            box.runs += 1
+            self._returning[box.shape] = self._returning.get(box.shape, 0) + 1
+            task = asyncio.get_running_loop().create_task(self._await_reset(box))
+            self._resets.add(task)
+            task.add_done_callback(self._resets.discard)
+        else:
+            self._dispose(box)
+        self._refill()
+
+    async def _await_reset(self, box: _Box) -> None:
+        ready = False
+        try:
+            with contextlib.suppress(TimeoutError, SandboxProtocolError, *_FAILURES):
+                ready = await asyncio.wait_for(box.read_frames(lambda: box.frames.ready), _RESET_TIMEOUT_S)
+        finally:
+            self._returning[box.shape] -= 1
+            if ready and not self._closed:
+                self.recycled += 1
+                self._put_ready(box)
+            else:
+                self._dispose(box)
+                # A run waiting for this box starts another instead (which joins the pool after its
+                # run); only without one does the pool start a replacement.
+                if not hand_over(self._waiting.get(box.shape, deque()), None):
+                    self._refill()
 
     def _unreachable(self, what: str, error: BaseException) -> str:
         detail = str(error).strip() or type(error).__name__
@@ -544,7 +726,7 @@ class DockerBackend:
     # -- one-shot runs -------------------------------------------------------------------------------
 
     async def run(self, request: ExecRequest) -> ExecResult:
-        """Run one program in a fresh container and report what happened."""
+        """Run one program in a clean container (fresh, or reset after an earlier run) and report it."""
         if self._closed:
             raise RuntimeError("this sandbox is closed")
         async with self._slots:
@@ -555,129 +737,147 @@ class DockerBackend:
                 self._discard_warm()
                 reason = self._unreachable("could not start a Docker sandbox", error)
                 return ExecResult.sandbox_error(reason, time.monotonic() - began)
+            reusable = False
             try:
-                return await self._run_in(box, request)
+                result, reusable = await self._run_in(box, request)
+                return result
             finally:
-                self._dispose(box)
+                self._end_run(box, reusable)
 
-    async def _run_in(self, box: _Box, request: ExecRequest) -> ExecResult:
+    async def _run_in(self, box: _Box, request: ExecRequest) -> tuple[ExecResult, bool]:
+        """The run's result, and whether it ended by itself (its box may then be reset and reused)."""
         assert box.stream is not None
-        stream = box.stream
         limits = request.limits
+        frames = box.frames
         out, err = OutputCapture(limits.output_cap_bytes), OutputCapture(limits.output_cap_bytes)
         started = time.monotonic()
         deadline = started + limits.timeout_s
+        failure: BaseException | None = None
+        try:  # a new container's zygote says it is ready once it has forked the run's process
+            up = await asyncio.wait_for(box.read_frames(lambda: frames.ready), limits.timeout_s)
+        except (TimeoutError, SandboxProtocolError, *_FAILURES) as error:
+            up, failure = False, error
+        if not up:
+            await self._kill(box)
+            detail = box.stderr.text().strip()
+            if detail.startswith(HIDE_PROC_FAILED):
+                return ExecResult.sandbox_error(f"{detail[-500:]} (see DockerOptions.hide_proc)"), False
+            if not await self._daemon_answers():
+                cause = failure or EOFError("the container's stream ended")
+                return ExecResult.sandbox_error(self._unreachable("the Docker sandbox failed", cause)), False
+            detail = frames.failure or detail or str(failure or "")
+            return ExecResult.sandbox_error(f"the sandbox failed to start: {detail[-500:]}"), False
         job = json.dumps(request.to_wire()).encode()
-
-        async def pump() -> bool:
-            """Send the job, then read output to its end; True on a flood."""
-            await stream.send(b"%d\n" % len(job) + job)
-            while (item := await stream.read_chunk()) is not None:
-                stream_id, chunk = item
-                (err if stream_id == 2 else out).feed(chunk)
-                if out.total + err.total > limits.output_kill_bytes:
-                    return True
-            return False
-
         # Without the container's cgroup file the daemon's stats cost a round trip: count from zero
-        # then (the launcher's own start, some 30 ms of CPU, is charged to the run).
+        # then (such a container serves this run alone).
         cpu_start = box.cgroup.cpu_s() if box.cgroup is not None else 0.0
+        oom_start = box.cgroup.oom_kills() if box.cgroup is not None else None
 
         async def used() -> float:
             return await self._cpu_s(box) - cpu_start
 
+        def over() -> bool:
+            return out.total + err.total > limits.output_kill_bytes
+
+        frames.begin(out, err)
+        pump = asyncio.ensure_future(box.read_frames(lambda: frames.exit is not None or over()))
         cpu_spent = asyncio.ensure_future(
             cpu_budget(used, limits.effective_cpu_s, self._cpus, read_first=False)
         )
-        reader = asyncio.ensure_future(pump())
-        outcome, exit_code, failure = "timeout", None, None
-        # While output still flows only orphans holding stdout open need a look, so polls are rare;
-        # once it has ended, the exit is usually recorded within milliseconds.
-        flowing_delay, ended_delay = 0.25, 0.002
-        try:
-            while (remaining := deadline - time.monotonic()) > 0:
-                if not reader.done():
-                    await asyncio.wait(
-                        {reader, cpu_spent},
-                        timeout=min(remaining, flowing_delay),
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    flowing_delay = min(flowing_delay * 2, 1.0)
-                if cpu_spent.done() and cpu_spent.exception() is None:
-                    outcome = "cpu"
-                    break
-                if reader.done():
-                    failure = reader.exception()
-                    if failure is not None or reader.result():
-                        outcome = "lost" if failure is not None else "flood"
-                        break
-                elif time.monotonic() >= deadline:
-                    break
-                info = await self._api_call("exec_inspect", box.exec_id)
-                if not info["Running"] and info["ExitCode"] is not None:
-                    outcome, exit_code = "exited", int(info["ExitCode"])
-                    break
-                if reader.done():  # the code closed its stdout and stderr but runs on
-                    await asyncio.sleep(max(0.0, min(ended_delay, deadline - time.monotonic())))
-                    ended_delay = min(ended_delay * 2, 0.25)
-            if outcome == "exited" and not reader.done():
-                # The launcher exited but something it left behind still holds stdout open.
-                await asyncio.wait({reader}, timeout=0.1)
-        except _FAILURES as error:
-            outcome, failure = "lost", error
-        finally:
-            reader.cancel()
-            cpu_spent.cancel()
-            with contextlib.suppress(asyncio.CancelledError, *_FAILURES):
-                await reader
-
-        if outcome == "exited" and exit_code is not None:
-            return await self._exited(box, exit_code, out, err, time.monotonic() - started)
+        with contextlib.suppress(*_FAILURES):  # a stream that broke: the pump sees its end
+            await box.stream.send(b"%d\n" % len(job) + job)
+        await asyncio.wait(
+            {pump, cpu_spent}, timeout=max(0.0, deadline - time.monotonic()), return_when="FIRST_COMPLETED"
+        )
+        out_of_cpu = cpu_spent.done() and not pump.done()
+        cpu_spent.cancel()
+        if not pump.done():
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *_FAILURES, SandboxProtocolError):
+                await pump
+        if not pump.cancelled():
+            failure = pump.exception()
+        ended = not pump.cancelled() and failure is None and not pump.result()
+        if frames.exit is not None and not over():
+            code, reached = frames.exit
+            return await self._exited(box, code, reached, out, err, time.monotonic() - started, oom_start)
+        # Ended from here (or dead): the container goes.
         killed = await self._kill(box)
         duration = time.monotonic() - started
-        if outcome == "lost" or not killed:
-            cause = failure or TimeoutError("the container could not be killed")
-            return ExecResult.sandbox_error(self._unreachable("the Docker sandbox failed", cause), duration)
-        if outcome == "flood":
-            return ExecResult.captured(
-                ExecStatus.OUTPUT_LIMIT, None, out, err, duration, "output limit exceeded"
-            )
-        if outcome == "cpu":
+        if over():
+            reason = "output limit exceeded"
+            return ExecResult.captured(ExecStatus.OUTPUT_LIMIT, None, out, err, duration, reason), False
+        if isinstance(failure, SandboxProtocolError):
+            return ExecResult.sandbox_error(f"{failure}; the sandbox was ended", duration), False
+        if ended or failure is not None:  # the stream ended before the run's exit frame
+            with contextlib.suppress(*_FAILURES):
+                if await self._oom_since(box, oom_start, pid1_died=True):
+                    reason = "memory limit exceeded (the container's memory cap)"
+                    return ExecResult.captured(ExecStatus.MEMORY, None, out, err, duration, reason), False
+            if not killed or not await self._daemon_answers():
+                cause = failure or EOFError("the container's stream ended")
+                return ExecResult.sandbox_error(
+                    self._unreachable("the Docker sandbox failed", cause), duration
+                ), False
+            detail = (frames.failure or box.stderr.text().strip() or str(failure or ""))[-500:]
+            return ExecResult.sandbox_error(f"the sandbox ended during the run: {detail}", duration), False
+        if not killed:
+            cause = TimeoutError("the container could not be killed")
+            return ExecResult.sandbox_error(
+                self._unreachable("the Docker sandbox failed", cause), duration
+            ), False
+        if out_of_cpu:
             reason = f"CPU-time limit of {limits.effective_cpu_s} s exceeded (all processes together)"
-            return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason)
+            return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason), False
         reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded"
-        return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason)
+        return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason), False
 
     async def _exited(
-        self, box: _Box, exit_code: int, out: OutputCapture, err: OutputCapture, duration: float
-    ) -> ExecResult:
+        self,
+        box: _Box,
+        exit_code: int,
+        reached: bool,
+        out: OutputCapture,
+        err: OutputCapture,
+        duration: float,
+        oom_start: int | None,
+    ) -> tuple[ExecResult, bool]:
+        """The result of a run whose process exited (the zygote's exit frame)."""
         if exit_code == HIDE_PROC_EXIT and err.text().startswith(HIDE_PROC_FAILED):
             reason = f"{err.text().strip()[-500:]} (see DockerOptions.hide_proc)"
-            return ExecResult.sandbox_error(reason, duration)
-        if exit_code in (126, 127) and _EXEC_FAILED in out.text():
-            # runc could not start the launcher (no such interpreter in the image): not the code's fault
+            return ExecResult.sandbox_error(reason, duration), False
+        if not reached:  # the forked process failed before the user's code began
             return ExecResult.sandbox_error(
-                f"the sandbox failed to start: {out.text().strip()[-500:]}", duration
-            )
-        if exit_code > 128:  # runc reports death by signal N as 128 + N
-            exit_code = -(exit_code - 128)
-        if exit_code == -9:
-            # SIGKILL came from the cgroup's OOM killer, from outside (a daemon shutdown), or from the
-            # code itself; the container's state and events tell which.
+                f"the sandbox failed to start: {err.text().strip()[-500:]}", duration
+            ), False
+        status, reason = classify_exit(exit_code, err.text())
+        if status is not ExecStatus.OK:
             try:
-                state = (await self._api_call("inspect_container", box.id))["State"]
-                oom = state.get("OOMKilled") or await self._call(self._oom_killed, box)
+                oom = await self._oom_since(box, oom_start, pid1_died=False, killed=exit_code == -9)
             except _FAILURES as error:
-                reason = self._unreachable("the Docker sandbox failed", error)
-                return ExecResult.sandbox_error(reason, duration)
+                return ExecResult.sandbox_error(
+                    self._unreachable("the Docker sandbox failed", error), duration
+                ), False
             if oom:
                 reason = "memory limit exceeded (the container's memory cap)"
-                return ExecResult.captured(ExecStatus.MEMORY, exit_code, out, err, duration, reason)
-            if not state.get("Running"):
-                reason = "the container was killed from outside the sandbox (daemon shutdown?)"
-                return ExecResult.sandbox_error(reason, duration)
-        status, reason = classify_exit(exit_code, err.text())
-        return ExecResult.captured(status, exit_code, out, err, duration, reason)
+                return ExecResult.captured(ExecStatus.MEMORY, exit_code, out, err, duration, reason), True
+        return ExecResult.captured(status, exit_code, out, err, duration, reason), True
+
+    async def _oom_since(self, box: _Box, start: int | None, *, pid1_died: bool, killed: bool = True) -> bool:
+        """Whether the container's OOM killer struck during this run: from its cgroup's counter where
+        this host reads it, else (a container that serves one run) from the daemon."""
+        if box.cgroup is not None and start is not None:
+            now = box.cgroup.oom_kills()
+            if now is not None:
+                return now > start
+        if not killed:
+            return False
+        # Docker flags OOMKilled on the container only when its PID 1 dies; an OOM kill of any other
+        # process shows up as an `oom` event alone.
+        if pid1_died and (await self._api_call("inspect_container", box.id))["State"].get("OOMKilled"):
+            return True
+        oom: bool = await self._call(self._oom_killed, box)
+        return oom
 
     # -- sessions --------------------------------------------------------------------------------------
 
@@ -711,9 +911,13 @@ class DockerBackend:
     async def _close(self) -> None:
         self._closed = True
         starting, self._starting = [task for _, task in self._starting], []
-        for task in starting:
+        for task in [*starting, *self._resets]:
             task.cancel()
-        await asyncio.gather(*starting, return_exceptions=True)
+        await asyncio.gather(*starting, *self._resets, return_exceptions=True)
+        for waiting in self._waiting.values():
+            for future in waiting:
+                if not future.done():
+                    future.set_result(None)
         for session in list(self._sessions):
             await session.aclose()
         self._discard_warm()

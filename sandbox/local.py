@@ -1,4 +1,4 @@
-"""The `local` backend: Linux namespaces via bubblewrap (else `unshare`), one fresh sandbox per run.
+"""The `local` backend: Linux namespaces via bubblewrap (else `unshare`), sandboxes reset between runs.
 
 Every run gets new user, PID, mount, network, IPC and UTS namespaces, a read-only root that holds
 only /usr (the interpreter and its libraries), a private size-capped tmpfs work directory and /tmp,
@@ -10,14 +10,17 @@ Without bubblewrap, a root host falls back to util-linux `unshare` (new mount, P
 UTS namespaces) and the launcher builds the same root itself before dropping to the pool uid; the
 network namespace then has no interface up at all, not even loopback.
 
-Latency: a pool of warm sandboxes (bubblewrap plus an interpreter already started and waiting for
-its job) makes a one-shot run cost a pipe write and a process exit, not a sandbox and interpreter
-start. Each warm sandbox serves exactly one one-shot run and is thrown away, so runs never share state.
+Latency: the in-sandbox launcher is a zygote, PID 1 of its sandbox, that has imported what snippets
+use and forks the next run's process ahead of time. A one-shot run costs a pipe write, the code and a
+process exit, not a sandbox and interpreter start. After each run the zygote kills every process of
+the sandbox, wipes the work dir, /tmp, /dev/shm, System V IPC and keyrings, checks its own limits and
+the network namespace against a snapshot, and forks the next process; the host puts the sandbox back
+in the warm pool only once that reset is confirmed, in the background, so the next run does not wait
+for it. A run the host had to end (timeout, CPU, output flood) or a reset that failed gets the whole
+sandbox killed, never reused.
 
-Sessions recycle their sandbox instead (`LocalOptions.recycle_sessions`): the in-sandbox launcher is
-then a zygote that forks one interpreter per episode, and at the session's close it kills every
-process of the episode, wipes the work dir, /tmp and System V IPC, and forks a fresh interpreter;
-only a sandbox whose zygote confirmed that reset returns to the warm pool, anything else is killed.
+Sessions recycle their sandbox the same way (`LocalOptions.recycle_sessions`): the zygote then forks
+one interpreter per episode and resets the sandbox at the session's close.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import signal
 import stat
 import subprocess
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,10 +53,12 @@ from sandbox._cgroup import (
     fallback_bound,
     process_tree_cpu_s,
 )
+from sandbox._handover import hand_over, wait_in_line
 from sandbox._proc import Child, spawn
 from sandbox._protocol import (
     DIED_NOTICE,
     LAUNCHER_SOURCE,
+    PRELOAD,
     READY_CAP,
     RESET_MESSAGE,
     RESTART_NOTICE,
@@ -60,6 +67,7 @@ from sandbox._protocol import (
     WORK_DIR,
     SandboxProtocolError,
     UidPool,
+    ZygoteFrames,
     decode_ready,
     decode_reply,
     frame_size,
@@ -83,7 +91,15 @@ class LocalOptions:
     (host path, sandbox path) pair at another, for a host path that the sandbox's own /work, /tmp,
     /dev or /proc would hide."""
     warm_pool: int = 2
-    """Sandboxes kept started and waiting for a one-shot job; 0 starts each run cold."""
+    """Sandboxes kept started and waiting for a one-shot job; 0 starts each run cold (in a sandbox
+    of its own, killed after the run)."""
+    idle_oneshot: int = 16
+    """Sandboxes reset after a one-shot run kept waiting per work-dir size (at least `warm_pool`): a
+    burst of concurrent runs starts this many, and the next burst finds them ready."""
+    preload: tuple[str, ...] = PRELOAD
+    """Modules a one-shot sandbox's zygote imports, so that the runs forked from it find them loaded.
+    Each must import under the sandbox's interpreter (a sandbox whose zygote cannot import one fails
+    to start)."""
     warm_sessions: int = 2
     """Session interpreters kept started per distinct session limits (one per episode); 0 disables."""
     max_concurrency: int = 32
@@ -110,8 +126,12 @@ class LocalOptions:
     opens many sessions at once, and a returned sandbox that finds no room is killed."""
 
     def __post_init__(self) -> None:
-        if min(self.warm_pool, self.warm_sessions, self.idle_sessions) < 0:
-            raise ValueError("warm_pool, warm_sessions and idle_sessions must be >= 0")
+        if min(self.warm_pool, self.warm_sessions, self.idle_sessions, self.idle_oneshot) < 0:
+            raise ValueError("warm_pool, warm_sessions, idle_sessions and idle_oneshot must be >= 0")
+        if not all(
+            isinstance(name, str) and all(map(str.isidentifier, name.split("."))) for name in self.preload
+        ):
+            raise ValueError(f"preload must be module names, got {self.preload!r}")
         if self.max_concurrency < 1 or self.uid_count < 1:
             raise ValueError("max_concurrency and uid_count must be >= 1")
         if self.isolation not in ("auto", "bwrap", "unshare"):
@@ -176,7 +196,6 @@ class _Box:
         """The sandbox's own cgroup (memory, CPU and task limits over all its processes), if any."""
         self._info_read = info_read
         self._status_read = status_read
-        self._started = False
         self._uid = uid
         self._pool = pool
         self.greeted = False
@@ -188,6 +207,31 @@ class _Box:
         self._frozen = False
         self.spawner_left: asyncio.Future[None] | None = None
         """Done once the spawner thread has left this sandbox's cgroup (freezing waits for it)."""
+        self.frames = ZygoteFrames()
+        """What a one-shot zygote wrote on stdout, parsed (its control frames, a run's output)."""
+
+    async def read_frames(self, until: Callable[[], bool]) -> bool:
+        """Feed the one-shot zygote's stdout to `frames` until `until()` holds; False if the stream
+        ended first (the sandbox died). SandboxProtocolError for anything malformed."""
+        while not until():
+            chunk = await self.child.read_chunk(self.child.stdout_fd)
+            if not chunk:
+                return False
+            self.frames.feed(chunk)
+        return True
+
+    async def wait_ready(self, within_s: float) -> bool:
+        """Whether the one-shot zygote said within `within_s` seconds that it is ready for a job (False
+        if it died, wrote something malformed or took longer)."""
+        with contextlib.suppress(TimeoutError, OSError, SandboxProtocolError):
+            return await asyncio.wait_for(self.read_frames(lambda: self.frames.ready), within_s)
+        return False
+
+    def stderr_text(self) -> str:
+        """What the sandbox's own processes (bubblewrap, the zygote) wrote on stderr and is still unread."""
+        with contextlib.suppress(OSError):
+            return os.read(self.child.stderr_fd, 65536).decode("utf-8", "replace").strip()
+        return ""
 
     async def note_idle(self) -> None:
         """Remember how many tasks the sandbox has when nothing of the user's runs (zygote and
@@ -224,13 +268,6 @@ class _Box:
 
     def oom_kills(self) -> int:
         return self.cgroup.oom_kills() if self.cgroup is not None else 0
-
-    def started(self) -> bool:
-        """True once the launcher said it handed over to the user's code (so a failure is theirs)."""
-        if not self._started:
-            with contextlib.suppress(OSError):
-                self._started = os.read(self._status_read, 1) == b"R"
-        return self._started
 
     def _inner_pid(self) -> int | None:
         """The pid of the sandbox's init as bubblewrap reported it on --info-fd."""
@@ -274,6 +311,8 @@ _MAX_POOLS = 8
 _MAX_EPISODES = 256
 """Sessions one sandbox serves before it is replaced (bounds what a slow leak could accumulate)."""
 _RESET_TIMEOUT_S = 2.0
+_START_TIMEOUT_S = 30.0
+"""How long a new sandbox's zygote may take to say it is ready (an interpreter start, imports)."""
 
 
 _MEMORY_REASON = "memory limit of {} MiB exceeded (all processes of the sandbox together)"
@@ -341,14 +380,26 @@ class LocalBackend:
         self._filling: dict[_PoolKey, asyncio.Task[None]] = {}
         self._sessions: set[LocalSession] = set()
         self._lent: dict[_PoolKey, int] = {}
-        """Recyclable session sandboxes in use per pool: they count as supply when refilling."""
+        """Recyclable sandboxes in use per pool: they count as supply when refilling."""
+        self._returning: dict[_PoolKey, int] = {}
+        """One-shot sandboxes whose reset is in flight, per pool (supply too)."""
+        self._waiting: dict[_PoolKey, deque[asyncio.Future[_Box | None]]] = {}
+        """Runs waiting for a resetting sandbox, first come first served."""
+        self._starting: dict[_PoolKey, int] = {}
+        """Sandboxes the pool's fill is starting (supply too)."""
+        self._resets: set[asyncio.Task[None]] = set()
+        self._closing: set[asyncio.Task[None]] = set()
         self.recycled = 0
-        """Session sandboxes reset and returned to the warm pool (a counter, for tests and benchmarks)."""
+        """Sandboxes reset and returned to a warm pool after a one-shot run or a session (a counter, for
+        tests and benchmarks)."""
         tree_name = f"pacerl-{os.getpid()}-{secrets.token_hex(4)}"
         self._cgroups = CgroupTree.detect(tree_name) if self.options.cgroups else None
         self._cpus = cpus_available()
         self._spawner = Spawner(self._cgroups)
         """Starts sandboxes off the event loop, each born inside its own cgroup."""
+        self._extra_processes = 1 if self._unshare is not None else 0
+        """Added to a run's RLIMIT_NPROC: under `unshare` the zygote is a process of the sandbox's uid
+        that bubblewrap's (uncounted) outer process is not, so the code keeps the same budget."""
         self._closed = False
 
     @property
@@ -368,11 +419,9 @@ class LocalBackend:
         assert self._bwrap is not None
         size = str(limits.work_dir_mb * 1024 * 1024)
         argv = [self._bwrap, "--info-fd", str(info_fd), "--unshare-all", "--unshare-user", "--disable-userns"]
-        argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
-        if launcher_args[0] == "session":
-            # The zygote becomes PID 1 itself: bubblewrap's reaper would otherwise be a same-uid,
-            # ptraceable process holding the host's pipes.
-            argv.append("--as-pid-1")
+        # The zygote becomes PID 1 itself: bubblewrap's reaper would otherwise be a same-uid,
+        # ptraceable process holding the host's pipes.
+        argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox", "--as-pid-1"]
         for source, target in self._read_only_binds():
             argv += ["--ro-bind", source, target]
         for name, target in _TOP_SYMLINKS.items():
@@ -498,25 +547,63 @@ class LocalBackend:
         return self.options.warm_pool if key[0] == "oneshot" else self.options.warm_sessions
 
     def _idle_cap(self, key: _PoolKey) -> int:
-        """How many recycled sandboxes may wait in a session pool (more than are started ahead)."""
-        return max(self._pool_size(key), self.options.idle_sessions)
+        """How many recycled sandboxes may wait in a pool (more than are started ahead)."""
+        idle = self.options.idle_oneshot if key[0] == "oneshot" else self.options.idle_sessions
+        return max(self._pool_size(key), idle)
 
     async def _spawn_for(self, key: _PoolKey) -> _Box:
         mode, limits_json = key
         limits = Limits(**json.loads(limits_json))
-        return await self._spawn(mode, limits, json.dumps(limits.to_wire()) if mode == "session" else "-")
+        third = json.dumps(limits.to_wire()) if mode == "session" else json.dumps(self.options.preload)
+        return await self._spawn(mode, limits, third)
 
     async def _fill(self, key: _PoolKey) -> None:
         pool = self._warm.setdefault(key, [])
-        while not self._closed and len(pool) + self._lent.get(key, 0) < self._pool_size(key):
+        while not self._closed and len(pool) + self._supply(key) < self._pool_size(key):
             pool.append(await self._spawn_for(key))
+
+    async def _fill_oneshot(self, key: _PoolKey, count: int) -> None:
+        """Start `count` one-shot sandboxes (already counted as starting, so that a run waits for
+        them rather than start one more) and hand each over once its zygote says it is ready."""
+        try:
+            while count and not self._closed:
+                try:
+                    box = await self._spawn_for(key)
+                except OSError:
+                    self._wake_one(key)  # a run waiting for this sandbox starts one itself (and reports)
+                    return
+                ready = False
+                try:
+                    ready = await box.wait_ready(_START_TIMEOUT_S)
+                finally:
+                    count -= 1
+                    self._starting[key] -= 1
+                    if not ready:
+                        self._discard(box)
+                if not ready:
+                    self._wake_one(key)  # the next run starts one itself, and reports why it failed
+                    return
+                self._put_ready(key, box)
+        finally:
+            self._starting[key] -= count
+
+    def _supply(self, key: _PoolKey) -> int:
+        """Sandboxes of a pool that are not waiting in it but will be (lent, resetting or starting)."""
+        return self._lent.get(key, 0) + self._returning.get(key, 0) + self._starting.get(key, 0)
 
     def _refill(self, key: _PoolKey) -> None:
         if self._closed or not self._pool_size(key) or key in self._filling:
             return
         if key not in self._warm and len(self._warm) >= _MAX_POOLS:
             return  # many distinct limits in use: the rarer ones start cold
-        task = asyncio.get_running_loop().create_task(self._fill(key))
+        if key[0] == "oneshot":
+            count = self._pool_size(key) - len(self._warm.get(key, [])) - self._supply(key)
+            if count <= 0:
+                return
+            self._starting[key] = self._starting.get(key, 0) + count  # at once: runs wait for them
+            task = asyncio.get_running_loop().create_task(self._fill_oneshot(key, count))
+        else:
+            task = asyncio.get_running_loop().create_task(self._fill(key))
         self._filling[key] = task
         task.add_done_callback(lambda _: self._filling.pop(key, None))
 
@@ -577,84 +664,186 @@ class LocalBackend:
     # -- one-shot runs -------------------------------------------------------------------------------
 
     async def run(self, request: ExecRequest) -> ExecResult:
-        """Run one program in a fresh sandbox and report what happened."""
+        """Run one program in a clean sandbox (fresh, or reset after an earlier run) and report it."""
         if self._closed:
             raise RuntimeError("this sandbox is closed")
         key = _oneshot_key(request.limits)
         async with self._slots:
             try:
-                box = await self._take_box(key, refill=False)
+                box = await self._take_oneshot(key)
             except OSError as error:
                 return ExecResult.sandbox_error(f"could not start a sandbox: {error}")
+            reusable = False
             try:
-                return await self._run_in(box, request)
+                result, reusable = await self._run_in(box, request)
+                return result
             finally:
-                await box.close()
-                self._refill(key)
+                self._end_oneshot(key, box, reusable)
 
-    async def _run_in(self, box: _Box, request: ExecRequest) -> ExecResult:
+    async def _take_oneshot(self, key: _PoolKey) -> _Box:
+        """A sandbox for one run: a waiting one, else one about to finish its reset, else a new one."""
+        pool = self._warm.setdefault(key, [])
+        while True:
+            while pool:
+                box = pool.pop()  # the most recently reset: its pages are still hot in the caches
+                if box.child.alive:
+                    self._lent[key] = self._lent.get(key, 0) + 1
+                    return box
+                await box.close()
+            waiting = self._waiting.setdefault(key, deque())
+            if self._returning.get(key, 0) + self._starting.get(key, 0) <= len(waiting):
+                break
+            # A reset takes a few milliseconds, and a sandbox already starting comes sooner than one
+            # started now: on the same CPUs, a second start would only slow both.
+            handed = await wait_in_line(waiting, functools.partial(self._put_ready, key))
+            if handed is not None:
+                self._lent[key] = self._lent.get(key, 0) + 1
+                return handed
+            if self._closed:
+                raise RuntimeError("this sandbox is closed")
+        self._lent[key] = self._lent.get(key, 0) + 1
+        try:
+            return await self._spawn_for(key)
+        except BaseException:
+            self._lent[key] -= 1
+            raise
+
+    def _put_ready(self, key: _PoolKey, box: _Box) -> None:
+        """A one-shot sandbox ready for a job: to the first waiting run, else into the pool (or killed
+        when the pool is full)."""
+        if hand_over(self._waiting.get(key, deque()), box):
+            return
+        pool = self._warm.setdefault(key, [])
+        if self._closed or len(pool) >= self._idle_cap(key):
+            self._discard(box)
+        else:
+            pool.append(box)
+
+    def _end_oneshot(self, key: _PoolKey, box: _Box, reusable: bool) -> None:
+        """After a run: a sandbox whose run ended by itself goes back once its zygote confirms the reset
+        (in the background, off the next run's path); any other is killed and replaced."""
+        self._lent[key] -= 1
+        if (
+            reusable
+            and not self._closed
+            and self.options.warm_pool > 0
+            and box.episodes < _MAX_EPISODES
+            and box.child.alive
+        ):
+            box.episodes += 1
+            self._returning[key] = self._returning.get(key, 0) + 1
+            task = asyncio.get_running_loop().create_task(self._await_reset(key, box))
+            self._resets.add(task)
+            task.add_done_callback(self._resets.discard)
+        else:
+            self._discard(box)
+        self._refill(key)
+
+    async def _await_reset(self, key: _PoolKey, box: _Box) -> None:
+        ready = False
+        try:
+            ready = await box.wait_ready(_RESET_TIMEOUT_S)
+        finally:
+            self._returning[key] -= 1
+            if ready and not self._closed:
+                self.recycled += 1
+                self._put_ready(key, box)
+            else:
+                self._discard(box)
+                # A run waiting for this sandbox starts another instead (which joins the pool after
+                # its run); only without one does the pool start a replacement.
+                if not self._wake_one(key):
+                    self._refill(key)
+
+    def _discard(self, box: _Box) -> None:
+        """Kill a sandbox and release it in the background (`aclose` waits for it)."""
+        box.kill()
+        task = asyncio.get_running_loop().create_task(box.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _wake_one(self, key: _PoolKey) -> bool:
+        """Tell the first run waiting for a sandbox of `key` that none is coming for it; False if no
+        run waits."""
+        return hand_over(self._waiting.get(key, deque()), None)
+
+    async def _run_in(self, box: _Box, request: ExecRequest) -> tuple[ExecResult, bool]:
+        """The run's result, and whether it ended by itself (its sandbox may then be reset and reused)."""
         limits = request.limits
-        child = box.child
+        frames = box.frames
         out, err = OutputCapture(limits.output_cap_bytes), OutputCapture(limits.output_cap_bytes)
         started = time.monotonic()
         deadline = started + limits.timeout_s
-        job = json.dumps(request.to_wire()).encode()
-        readers = [
-            asyncio.ensure_future(child.drain(child.stdout_fd, out, limits.output_kill_bytes)),
-            asyncio.ensure_future(child.drain(child.stderr_fd, err, limits.output_kill_bytes)),
-        ]
-        exited = asyncio.ensure_future(child.wait())
+        try:  # a new sandbox's zygote says it is ready once it has forked the run's process
+            up = await asyncio.wait_for(box.read_frames(lambda: frames.ready), limits.timeout_s)
+        except (TimeoutError, OSError, SandboxProtocolError) as error:
+            up, frames.failure = False, frames.failure or str(error) or type(error).__name__
+        if not up:
+            box.kill()
+            detail = (frames.failure or box.stderr_text())[-500:]
+            return ExecResult.sandbox_error(f"the sandbox failed to start: {detail}"), False
+        wire = request.to_wire()
+        wire["limits"]["max_processes"] += self._extra_processes
+        job = json.dumps(wire).encode()
         if box.cgroup is not None:  # the job's own limits, over every process of the sandbox
             box.cgroup.set_limits(*_cgroup_limits(limits))
-        # Without a cgroup, the count over /proc costs a scan: count from zero then (the launcher's
-        # own start, some 30 ms of CPU, is charged to the run).
-        cpu_start = await box.cpu_s() if box.cgroup is not None else 0.0
+        cpu_start, oom_start = await box.cpu_s(), box.oom_kills()
 
         async def used() -> float:
             return await box.cpu_s() - cpu_start
 
+        def over() -> bool:
+            return out.total + err.total > limits.output_kill_bytes
+
+        frames.begin(out, err)
+        pump = asyncio.ensure_future(box.read_frames(lambda: frames.exit is not None or over()))
         cpu_spent = asyncio.ensure_future(
             cpu_budget(used, limits.effective_cpu_s, self._cpus, read_first=False)
         )
-        flood = False
-        with contextlib.suppress(TimeoutError, OSError):
-            await asyncio.wait_for(child.write(b"%d\n" % len(job) + job), limits.timeout_s)
-            pending: set[asyncio.Future[Any]] = {exited, cpu_spent, *readers}
-            while not exited.done() and not flood and not cpu_spent.done() and time.monotonic() < deadline:
-                done, pending = await asyncio.wait(
-                    pending, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
-                )
-                flood = any(reader in done and reader.result() for reader in readers)
-        out_of_cpu = cpu_spent.done() and not exited.done()
+        with contextlib.suppress(TimeoutError, OSError):  # a dead zygote: the pump sees the end
+            await asyncio.wait_for(box.child.write(b"%d\n" % len(job) + job), limits.timeout_s)
+        await asyncio.wait(
+            {pump, cpu_spent}, timeout=max(0.0, deadline - time.monotonic()), return_when="FIRST_COMPLETED"
+        )
+        out_of_cpu = cpu_spent.done() and not pump.done()
         cpu_spent.cancel()
-        killed = not exited.done()
-        if killed:
-            box.kill()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(exited, *readers, return_exceptions=True), 5)
-        for task in (exited, *readers):
-            task.cancel()
+        if not pump.done():  # and wait until it has let go of the pipe, which is read again below
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError, SandboxProtocolError):
+                await pump
+        failure = None if pump.cancelled() else pump.exception()
+        ended = not pump.cancelled() and failure is None and not pump.result()
+        if frames.exit is not None and not over():
+            code, reached = frames.exit
+            duration = time.monotonic() - started
+            if not reached:  # the forked process failed before the user's code began
+                detail = err.text().strip()[-500:]
+                return ExecResult.sandbox_error(f"the sandbox failed to start: {detail}", duration), False
+            status, reason = classify_exit(code, err.text())
+            if status is not ExecStatus.OK and box.oom_kills() > oom_start:
+                status, reason = ExecStatus.MEMORY, _MEMORY_REASON.format(limits.memory_mb)
+            return ExecResult.captured(status, code, out, err, duration, reason), True
+        # Ended from here (or dead): the whole sandbox goes; what it wrote before is still read.
+        box.kill()
+        with contextlib.suppress(TimeoutError, OSError, SandboxProtocolError):
+            await asyncio.wait_for(box.read_frames(lambda: False), 5)
         duration = time.monotonic() - started
-        if flood:
+        if over():
             reason = "output limit exceeded"
-            return ExecResult.captured(ExecStatus.OUTPUT_LIMIT, None, out, err, duration, reason)
+            return ExecResult.captured(ExecStatus.OUTPUT_LIMIT, None, out, err, duration, reason), False
+        if isinstance(failure, SandboxProtocolError):
+            return ExecResult.sandbox_error(f"{failure}; the sandbox was ended", duration), False
+        if ended or failure is not None:  # the zygote's stream ended before the run's exit frame
+            if box.oom_kills() > oom_start:
+                reason = _MEMORY_REASON.format(limits.memory_mb)
+                return ExecResult.captured(ExecStatus.MEMORY, None, out, err, duration, reason), False
+            detail = (frames.failure or box.stderr_text() or str(failure or ""))[-500:]
+            return ExecResult.sandbox_error(f"the sandbox ended during the run: {detail}", duration), False
         if out_of_cpu:
             reason = f"CPU-time limit of {limits.effective_cpu_s} s exceeded (all processes together)"
-            return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason)
-        if killed:
-            reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded"
-            return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason)
-        if not box.started():
-            return ExecResult.sandbox_error(
-                f"the sandbox failed to start: {err.text().strip()[-500:]}", duration
-            )
-        exit_code = exited.result()
-        if exit_code > 128:  # bubblewrap reports death by signal N as 128 + N
-            exit_code = -(exit_code - 128)
-        status, reason = classify_exit(exit_code, err.text())
-        if status is not ExecStatus.OK and box.oom_kills() > 0:
-            status, reason = ExecStatus.MEMORY, _MEMORY_REASON.format(limits.memory_mb)
-        return ExecResult.captured(status, exit_code, out, err, duration, reason)
+            return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason), False
+        reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded"
+        return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason), False
 
     # -- sessions --------------------------------------------------------------------------------------
 
@@ -672,12 +861,20 @@ class LocalBackend:
         self._closed = True
         for task in list(self._filling.values()):
             task.cancel()
+        for reset in list(self._resets):
+            reset.cancel()
+        await asyncio.gather(*self._resets, return_exceptions=True)
+        for waiting in self._waiting.values():
+            for future in waiting:
+                if not future.done():
+                    future.set_result(None)
         warm, self._warm = self._warm, {}
         for pool in warm.values():
             for box in pool:
                 await box.close()
         for session in list(self._sessions):
             await session.aclose()
+        await asyncio.gather(*self._closing, return_exceptions=True)
         self._spawner.close()
         if self._cgroups is not None:
             self._cgroups.remove()  # what still holds exiting processes goes with the next backend's sweep

@@ -161,6 +161,43 @@ def rewards(run_dir: Path) -> list[float]:
     return [row["reward"] for row in read_metrics(run_dir / "metrics.jsonl") if "reward" in row]
 
 
+# Code that leaves behind what a sandbox's reset must undo before the sandbox serves anyone else: files
+# (some in folders it locked itself out of), a child, a setsid daemon orphaned to PID 1, a System V
+# segment (it outlives every process). Shared by the session and one-shot recycling suites.
+LITTER = r"""
+import ctypes, os, subprocess, sys, time
+open('/work/left.txt', 'w').write('x')
+os.makedirs('/work/locked/deeper')
+open('/work/locked/deeper/f', 'w').write('y')
+os.chmod('/work/locked/deeper', 0)
+os.chmod('/work/locked', 0)
+open('/tmp/left.txt', 'w').write('x')
+if os.access('/dev/shm', os.W_OK):
+    open('/dev/shm/left', 'w').write('x')
+subprocess.Popen(['sleep', '1000'])
+if os.fork() == 0:  # a daemon: double fork, new session, orphaned to PID 1
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(1000)
+    os._exit(0)
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.shmget(4242, 4096, 0o1600) >= 0  # IPC_CREAT | 0600: a System V segment outlives processes
+"""
+
+# Changes inside a sandbox that its reset cannot put back, so it must not be reused (the session and
+# one-shot recycling suites).
+CHANGE_WHAT_A_RESET_CANNOT_UNDO = {
+    # PID 1's I/O priority class set to idle (3 << 13)
+    "init-ioprio": "import ctypes\nctypes.CDLL(None).syscall(251, 1, 1, 3 << 13)",
+    "init-nice": "import os\nos.setpriority(os.PRIO_PROCESS, 1, 5)",
+    "init-rlimit": "import resource\nresource.prlimit(1, resource.RLIMIT_NOFILE, (32, 32))",
+    "time-wait": (
+        "import socket\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\n"
+        "c = socket.create_connection(s.getsockname())\na, _ = s.accept()\nc.close()\na.close()\ns.close()"
+    ),
+}
+
+
 # Hostile code shared by the sandbox and env suites: an episode that tries to attach to, or take the
 # descriptors of, every other process it can see (the zygote, the host's pipes, later episodes).
 TAKEOVER = r"""
@@ -183,3 +220,14 @@ for pid in [int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != me]
         report[f'fds {pid}'] = 'denied'
 print(json.dumps(report))
 """
+
+
+def assert_taken_over_nothing(report: dict[str, object]) -> None:
+    """`TAKEOVER`'s report: every attach was refused, no descriptor taken, no descriptor table listed."""
+    for key, value in report.items():
+        if key.startswith("ptrace"):
+            assert value == -1, (key, report)
+        elif key.startswith("getfd"):
+            assert value == [], (key, report)
+        else:
+            assert value == "denied", (key, report)

@@ -207,24 +207,35 @@ def test_work_dir_is_size_capped(docker_sandbox: Sandbox) -> None:
     assert result.stdout == "No space left on device\n", result
 
 
-def test_warm_containers_serve_one_run_each(open_proc_sandbox: Sandbox) -> None:
+def test_warm_containers_are_reset_and_reused_between_runs(open_proc_sandbox: Sandbox) -> None:
     open_proc_sandbox.run("print(0)")
     backend = backend_of(open_proc_sandbox)
     deadline = time.monotonic() + 60  # a hang guard: the pool refills in the background
     while len(warm := [box.id for box in list(backend._warm) if box.ready]) < backend.options.warm_pool:
         assert time.monotonic() < deadline, "the warm pool never refilled"
         time.sleep(0.05)
-    first = open_proc_sandbox.run(
-        CONTAINER_ID + "\nopen('/work/left', 'w').write('x')\nopen('/tmp/left', 'w').write('x')"
+    dirty = (
+        "import os, subprocess\nopen('/work/left', 'w').write('x')\nopen('/tmp/left', 'w').write('x')\n"
+        "open('/dev/shm/left', 'w').write('x')\nsubprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        "os.environ['LEFT'] = '1'"
     )
-    second = open_proc_sandbox.run(
-        CONTAINER_ID + "\nimport os\nprint(os.listdir('/work'), os.listdir('/tmp'))"
+    first = open_proc_sandbox.run(CONTAINER_ID + "\n" + dirty)
+    first_id = first.stdout.split()[0]
+    assert first.status is ExecStatus.OK and first_id in warm, first
+    check = (
+        "\nimport os\nothers = [p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]"
+        "\nprint(os.listdir('/work'), os.listdir('/tmp'), os.listdir('/dev/shm'), 'LEFT' in os.environ,"
+        " others)"
     )
-    first_id, second_id = first.stdout.split()[0], second.stdout.split()[0]
-    assert first_id in warm and second_id in warm  # both were started and waiting before they were needed
-    assert first_id != second_id
-    assert second.stdout.split("\n")[1] == "[] []", second
-    assert gone(first_id, open_proc_sandbox) and gone(second_id, open_proc_sandbox)
+    used = set()
+    for _ in range(3 * backend.options.warm_pool):
+        later = open_proc_sandbox.run(CONTAINER_ID + check)
+        container, state = later.stdout.split("\n")[:2]
+        assert container in warm, later  # every run found a container that was waiting for it
+        assert state == "[] [] [] False ['1']", later  # reset: no file, process (but PID 1) or variable left
+        used.add(container)
+    assert first_id in used  # the first run's container served again once reset
+    assert first_id in containers(open_proc_sandbox)
 
 
 def test_orphans_holding_stdout_do_not_delay_the_result(docker_sandbox: Sandbox) -> None:
