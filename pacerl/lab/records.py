@@ -17,12 +17,14 @@ import math
 import statistics
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 from agents.trajectory import Origin, Segment, Status, Trajectory
 from pacerl.lab.state import Episode
 
 _new_segment = Segment.__new__
 _new_trajectory = Trajectory.__new__
+_set_fields = object.__setattr__  # past the frozen dataclass's __setattr__
 
 
 class RecordMaker:
@@ -31,7 +33,7 @@ class RecordMaker:
 
     def __init__(self, block: int) -> None:
         self.block = block
-        self._templates: dict[int, Segment] = {}
+        self._templates: dict[int, dict[str, Any]] = {}  # a validated model segment's fields, by length
         self._tool_segments: dict[int, Segment] = {}
         self._prompts: dict[int, Segment] = {}
 
@@ -58,6 +60,7 @@ class RecordMaker:
         outcome depends on the simulation rather than on how this method builds the record."""
         group, block = episode.group, self.block
         segments = [prompt]
+        append = segments.append
         tools, templates, tool_origin = self._tool_segments, self._templates, Origin.TOOL
         latest = 0
         for origin, tokens, seg_version, started, ended, reason in episode.parts:
@@ -66,26 +69,25 @@ class RecordMaker:
                 tool = tools.get(count)
                 if tool is None:
                     tool = tools[count] = Segment(Origin.TOOL, (2,) * count)
-                segments.append(tool)
+                append(tool)
                 continue
             template = templates.get(count)
             if template is None:
-                template = templates[count] = Segment(
-                    Origin.MODEL, (1,) * count, (-1.0,) * count, 0, 0.0, 0.0, "stop"
-                )
+                validated = Segment(Origin.MODEL, (1,) * count, (-1.0,) * count, 0, 0.0, 0.0, "stop")
+                template = templates[count] = validated.__dict__
             if not (seg_version >= 0 and 0.0 <= started <= ended and reason):
                 raise RuntimeError(
                     f"invalid simulated segment: v{seg_version} [{started}, {ended}] {reason!r}"
                 )
             # Segment's constructor re-validates every token and log-prob; a copy of a validated
-            # template of this length keeps them and sets the four fields checked above (frozen: the
-            # fields go straight into the instance dict, as the dataclass's __init__ puts them)
-            segment = _new_segment(Segment)
-            fields = segment.__dict__
-            fields.update(template.__dict__)
+            # template's fields of this length keeps them and sets the four fields checked above
+            # (frozen: the copy becomes the instance dict, as the dataclass's __init__ fills it)
+            fields = template.copy()
             fields["version"], fields["started_at"], fields["ended_at"] = seg_version, started, ended
             fields["finish_reason"] = reason
-            segments.append(segment)
+            segment = _new_segment(Segment)
+            _set_fields(segment, "__dict__", fields)
+            append(segment)
             if seg_version > latest:
                 latest = seg_version
         if not (version >= latest and math.isfinite(now)):
