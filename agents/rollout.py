@@ -37,8 +37,14 @@ from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 
-from agents.engine.embedded import ContextOverflowError
-from agents.engine.protocol import Engine, EngineWithRoutesStart, FinishReason, Generation, SamplingParams
+from agents.engine.protocol import (
+    ContextOverflowError,
+    Engine,
+    EngineWithRoutesStart,
+    FinishReason,
+    Generation,
+    SamplingParams,
+)
 from agents.routing import RoutedExperts
 from agents.trajectory import Origin, Status, Trajectory
 from envs import EpisodeLost, Message, Task

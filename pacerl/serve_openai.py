@@ -202,8 +202,7 @@ def create_app(
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
-    from agents.engine.embedded import ContextOverflowError
-    from agents.engine.protocol import FinishReason, Generation, SamplingParams
+    from agents.engine.protocol import ContextOverflowError, FinishReason, Generation, SamplingParams
 
     native_tool_calls = "tool_calls" in str(getattr(tokenizer, "chat_template", "") or "")
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

@@ -42,12 +42,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
+from agents.engine.protocol import ContextOverflowError, FinishReason, Generation, SamplingParams
 from agents.models import moe_info
-
-
-class ContextOverflowError(ValueError):
-    """The prompt does not fit the engine's context (the driver ends such a trajectory `truncated`)."""
 
 
 @dataclass(frozen=True)

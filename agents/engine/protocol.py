@@ -11,10 +11,16 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ContextOverflowError(ValueError):
+    """The prompt does not fit the engine's context (the driver ends such a trajectory `truncated`)."""
 
 
 class FinishReason(enum.StrEnum):

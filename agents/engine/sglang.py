@@ -105,8 +105,7 @@ import httpx
 import numpy as np
 import torch
 
-from agents.engine.embedded import ContextOverflowError
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
+from agents.engine.protocol import ContextOverflowError, FinishReason, Generation, SamplingParams
 from agents.engine.weight_group import GroupBackend, WeightBroadcastGroup, describe
 from agents.models import WeightLayout
 

@@ -59,8 +59,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
-from agents.engine.embedded import ContextOverflowError
-from agents.engine.protocol import Generation, SamplingParams
+from agents.engine.protocol import ContextOverflowError, Generation, SamplingParams
 from agents.rollout import RolloutDriver
 from agents.trajectory import Status, Trajectory
 from envs import Task
