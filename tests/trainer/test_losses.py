@@ -426,6 +426,33 @@ def test_token_logprobs_by_hand() -> None:
         token_logprobs(logits, targets.float())
 
 
+def test_token_logprobs_gradient_by_hand_and_as_autograd_derives_it() -> None:
+    """The fused backward (`_TokenLogprobs`): d log p_t / d z_j = (1[j = t] - p_j) / T, times the
+    upstream gradient, in the logits' dtype."""
+    # softmax(ln [1, 2, 5]) = (1, 2, 5) / 8; row 0 at T = 1, row 1 the same distribution at T = 2.
+    logits = torch.log(torch.tensor([[[1.0, 2.0, 5.0], [1.0, 4.0, 25.0]]], dtype=torch.float64))
+    logits.requires_grad_(True)
+    (token_logprobs(logits[:, :1], torch.tensor([[1]])) * 3.0).sum().backward()
+    assert logits.grad is not None
+    _close(logits.grad[0, 0], [-3 / 8, 3 * (1 - 2 / 8), -3 * 5 / 8])
+    _close(logits.grad[0, 1], [0.0, 0.0, 0.0])
+    logits.grad = None
+    (token_logprobs(logits[:, 1:], torch.tensor([[2]]), temperature=2.0) * -1.0).sum().backward()
+    _close(logits.grad[0, 1], [1 / 8 / 2, 2 / 8 / 2, -(1 - 5 / 8) / 2])
+    # On a random batch: the gradient of log_softmax(z / T) gathered at the targets, for any upstream one.
+    torch.manual_seed(0)
+    for temperature in (1.0, 0.7):
+        z = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad=True)
+        targets, upstream = torch.randint(0, 11, (2, 5)), torch.randn(2, 5, dtype=torch.float64)
+        (fused,) = torch.autograd.grad((token_logprobs(z, targets, temperature) * upstream).sum(), z)
+        plain = torch.log_softmax(z / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
+        (expected,) = torch.autograd.grad((plain * upstream).sum(), z)
+        assert torch.allclose(fused, expected, rtol=1e-12, atol=1e-14)
+    half = torch.zeros(1, 2, 3, dtype=torch.bfloat16, requires_grad=True)
+    token_logprobs(half, torch.tensor([[0, 2]])).sum().backward()
+    assert half.grad is not None and half.grad.dtype == torch.bfloat16
+
+
 def _nan_at(row: int, column: int) -> torch.Tensor:
     logprobs = torch.zeros(2, 2)
     logprobs[row, column] = NAN
