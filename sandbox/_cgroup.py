@@ -307,6 +307,10 @@ class ContainerCgroup:
     def cpu_s(self) -> float:
         return read_cpu_file(self.cpu_file)
 
+    def gone(self) -> bool:
+        """Whether the container no longer exists (its cgroup was removed: a dead daemon kills it)."""
+        return not self.cpu_file.exists()
+
     def tasks(self) -> int | None:
         return int(self.tasks_file.read_text()) if self.tasks_file is not None else None
 

@@ -642,7 +642,7 @@ class DockerBackend:
         while True:
             for box in [box for box in reversed(self._warm) if box.shape == shape]:
                 self._warm.remove(box)  # the most recently reset first: still hot in the caches
-                if box.ready:
+                if box.ready and not (box.cgroup is not None and box.cgroup.gone()):
                     self._refill()
                     return box
                 self._dispose(box)
@@ -770,7 +770,11 @@ class DockerBackend:
         job = json.dumps(request.to_wire()).encode()
         # Without the container's cgroup file the daemon's stats cost a round trip: count from zero
         # then (such a container serves this run alone).
-        cpu_start = box.cgroup.cpu_s() if box.cgroup is not None else 0.0
+        try:
+            cpu_start = box.cgroup.cpu_s() if box.cgroup is not None else 0.0
+        except OSError as error:  # the container died after it was taken (a daemon that stopped)
+            await self._kill(box)
+            return ExecResult.sandbox_error(self._unreachable("the Docker sandbox failed", error)), False
         oom_start = box.cgroup.oom_kills() if box.cgroup is not None else None
 
         async def used() -> float:
