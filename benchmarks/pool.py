@@ -9,7 +9,7 @@ one version (GS > 0) and completions trail v_now by 0-3 versions. Two timings pe
 of `--repeats` selects of 16 groups:
 
 - `cached`: every drift score already cached at v_now (`refresh_drift`, untimed): the ranking itself;
-- `scored`: a new trainer version on every repetition, so select hands every GS > 0 member to a trivial
+- `scored`: a new trainer version on every repetition, so select hands every member to a trivial
   drift scorer that returns random floats: the pool's side of re-scoring, without the forward pass.
 
 P* is one batch below the pool's size and β = 0, so every select rejects exactly 16 groups (K_t = 16)

@@ -164,7 +164,9 @@ class Run:
         self._saved_in_flight = {}
         while True:
             # Steps, not versions: a skipped step consumed its batch without moving the version.
-            room = self.pool.admission(self.step, len(self._running), self.config.batch_groups)
+            room = self.pool.admission(
+                self.step, len(self._running), self.config.batch_groups, self.weight_lag()
+            )
             for _ in range(room):
                 self._launch(*self.cursor.next())
             if not self._running:
@@ -239,20 +241,25 @@ class Run:
             )
         if len(pool) >= config.batch_groups or self._running or self._saved_in_flight:
             return None
-        if pool.admission(self.step, 0, config.batch_groups) > 0:
+        if pool.admission(self.step, 0, config.batch_groups, max(0, lag)) > 0:
             return None
         detail = ""
         if filter_config.name == "admission":
-            cap = (filter_config.admission.max_offpolicyness + self.step + 1) * config.batch_groups
+            cap = (filter_config.admission.max_offpolicyness + self.step - lag + 1) * config.batch_groups
             detail = (
-                f" (it allows (filter.admission.max_offpolicyness + steps + 1)·loop.batch_groups = {cap} "
-                f"groups after {self.step} steps and {pool.accepted_groups} were accepted already; was the "
-                f"run resumed with a smaller loop.batch_groups?)"
+                f" (it allows (filter.admission.max_offpolicyness + steps - weight lag + 1)·loop.batch_groups"
+                f" = {cap} groups after {self.step} steps with the engine {lag} versions behind, and "
+                f"{pool.accepted_groups} were accepted already; was the run resumed with a smaller "
+                f"loop.batch_groups?)"
             )
         return (
             f"the pool holds {len(pool)} of the {config.batch_groups} groups a batch needs, no rollout is "
             f"in flight and the {filter_config.name} filter admits none{detail}"
         )
+
+    def weight_lag(self) -> int:
+        """Versions the engine's weights trail the learner's (what admission bounds staleness by)."""
+        return max(0, self.learner.version - self.engine.version)
 
     # -- train and publish ----------------------------------------------------------------------------
 

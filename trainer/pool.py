@@ -104,8 +104,10 @@ class AdmissionSettings:
     """admission: AReaL's staleness control."""
 
     max_offpolicyness: int = 4
-    """AReaL's η (`rollout.max_head_offpolicyness`); 0 is synchronous training. Counted in training
-    steps, skipped ones included (`admission_capacity`), so a skipped step never closes admission. >= 0."""
+    """AReaL's η (`rollout.max_head_offpolicyness`): no trained token is more than η versions older than
+    the trainer; 0 is synchronous training. Counted in training steps, skipped ones included
+    (`admission_capacity`), so a skipped step never closes admission. >= 0, and >= S − 1 in an async
+    run publishing every S updates (the run config checks)."""
 
     def __post_init__(self) -> None:
         _check_int("admission.max_offpolicyness", self.max_offpolicyness, 0)
@@ -174,18 +176,26 @@ def admission_capacity(
     batch_groups: int,
     max_concurrent_groups: int,
     max_offpolicyness: int,
+    weight_lag: int = 0,
 ) -> int:
     """How many new groups the rollout side may start: AReaL's `StalenessManager.get_capacity`
     (arXiv 2505.24298; inclusionAI/AReaL `staleness_manager.py`) in group units,
 
-        max(0, min(max_concurrent − running, (η + s + 1)·B − (accepted + running))),
+        max(0, min(max_concurrent − running, (η + s − L + 1)·B − (accepted + running))),
 
-    with s = `trainer_steps`, the training steps completed, updated or skipped. `accepted_groups` counts
+    with s = `trainer_steps`, the training steps completed, updated or skipped, and L = `weight_lag`,
+    how many versions the weights the engine serves now trail the trainer's. `accepted_groups` counts
     every group ever accepted into the pool since the start of the run (drawn ones included). After s
-    steps the trainer has consumed s·B groups, so capping everything ever produced at (η + s + 1)·B lets
-    at most (η + 1)·B groups be in flight, pooled or in training at once, and a group started now is in
-    one of the next η + 1 batches (when groups finish in the order they start): it is trained at most
-    η steps later, so at most η policy versions later.
+    steps the trainer has consumed s·B groups, so capping everything ever produced at (η + s − L + 1)·B
+    puts a group started now in one of the next η − L + 1 batches (when groups finish in the order they
+    start): it is trained at most η − L steps later, so at trainer version at most v + η − L, where its
+    tokens are of version v − L or newer. Its staleness is at most η.
+
+    The lag term is pacerl's: AReaL publishes after every update (L = 0 when it starts a rollout). With
+    weights published every S updates, L reaches S − 1 between publications, and without the term a
+    group would reach η + S − 1 versions of staleness. The bound can hold only with η >= S − 1 (the
+    trainer takes S batches of one published version, the last of them S − 1 versions old): the run
+    config refuses a smaller η, and L > η here gives no capacity, never a negative one.
 
     AReaL writes the trainer version v where s stands here, because there every step moves the version.
     Here a skipped step (a batch without signal, non-finite values: `StepResult.updated` False) consumes
@@ -201,7 +211,8 @@ def admission_capacity(
     batch = _check_int("batch_groups", batch_groups, 1)
     concurrent = _check_int("max_concurrent_groups", max_concurrent_groups, 1)
     eta = _check_int("max_offpolicyness", max_offpolicyness, 0)
-    return max(0, min(concurrent - running, (eta + steps + 1) * batch - (accepted + running)))
+    lag = _check_int("weight_lag", weight_lag, 0)
+    return max(0, min(concurrent - running, (eta + steps - lag + 1) * batch - (accepted + running)))
 
 
 def pace_budget(*, occupancy: int, target: int, ema: float, previous: float) -> tuple[float, int]:
@@ -430,6 +441,8 @@ class _Columns:
 
     gs: npt.NDArray[np.float64]
     """Generation staleness (0 without model tokens)."""
+    scorable: npt.NDArray[np.bool_]
+    """The trajectory has model tokens, so a prefix drift F (and a place in PACE's ranking)."""
     v_done: npt.NDArray[np.int64]
     """completed_version."""
     v_min: npt.NDArray[np.int64]
@@ -447,6 +460,7 @@ class _Columns:
     def empty(cls, capacity: int) -> _Columns:
         return cls(
             gs=np.zeros(capacity),
+            scorable=np.zeros(capacity, dtype=np.bool_),
             v_done=np.zeros(capacity, dtype=np.int64),
             v_min=np.zeros(capacity, dtype=np.int64),
             seq=np.zeros(capacity, dtype=np.int64),
@@ -567,6 +581,7 @@ class TrajectoryPool:
                     tokens += len(segment.tokens)
                     oldest = min(oldest, segment.version)
             cols.gs[row] = lag / tokens if tokens else 0.0
+            cols.scorable[row] = tokens > 0
             cols.v_done[row] = v_done
             cols.v_min[row] = oldest
         cols.seq[start:stop] = self._next_seq
@@ -596,11 +611,13 @@ class TrajectoryPool:
 
     # -- admission and drawing ---------------------------------------------------------------------------
 
-    def admission(self, trainer_steps: int, running_groups: int, batch_groups: int) -> int:
+    def admission(
+        self, trainer_steps: int, running_groups: int, batch_groups: int, weight_lag: int = 0
+    ) -> int:
         """How many new groups the rollout side may start now, `trainer_steps` training steps into the
-        run (updated or skipped; not the policy version, which a skipped step leaves where it was):
-        AReaL's `admission_capacity` under the `admission` filter, otherwise only the concurrency cap,
-        max(0, max_concurrent − running)."""
+        run (updated or skipped; not the policy version, which a skipped step leaves where it was), with
+        the engine's weights `weight_lag` versions behind the trainer's: AReaL's `admission_capacity`
+        under the `admission` filter, otherwise only the concurrency cap, max(0, max_concurrent − running)."""
         config = self.config
         if config.name == "admission":
             return admission_capacity(
@@ -610,9 +627,11 @@ class TrajectoryPool:
                 batch_groups=batch_groups,
                 max_concurrent_groups=config.max_concurrent_groups,
                 max_offpolicyness=config.admission.max_offpolicyness,
+                weight_lag=weight_lag,
             )
         _check_int("trainer_steps", trainer_steps, 0)
         _check_int("batch_groups", batch_groups, 1)
+        _check_int("weight_lag", weight_lag, 0)
         return max(0, config.max_concurrent_groups - _check_int("running_groups", running_groups, 0))
 
     def select(
@@ -647,11 +666,16 @@ class TrajectoryPool:
         most ⌈P/b⌉ versions while it is pooled (the version moves at most once per step).
 
         `drift` (pace only; ignored by the other filters) re-scores trajectories under the current
-        policy. Scores only rank rejections, so it is called only when K_t > 0, at most once per
-        select, with only the members that have GS > 0 (for GS = 0 the weight is irrelevant) and no
-        score cached at this `v_now`, in arrival order. Without it, such members rank with pct = 1
-        (their full GS counts, the conservative choice) and are counted in `counts["drift_unscored"]`.
-        Percentiles are taken among all GS > 0 members scored at this version.
+        policy. Scores only rank rejections, so it is called only when K_t > 0 and some member has
+        GS > 0, at most once per select, with the members that have model tokens and no score cached
+        at this `v_now`, in arrival order. Percentiles are taken among all of them, fresh members
+        (GS = 0) included, as the spec's "among pool candidates" says: a fresh member's F is measured
+        the same way (its model tokens' mean |log π_now − log μ|; at WS = 0 that is the engine/trainer
+        mismatch alone, later it is how far the policy moved since), so a stale member whose drift is
+        large against the pool ranks high however few members are stale. Members without model tokens
+        have no F and take no part in the ranking (their S_eff is their WS). Without a scorer, the
+        GS > 0 members rank with pct = 1 (their full GS counts, the conservative choice) and are
+        counted in `counts["drift_unscored"]`.
         """
         batch_groups = _check_int("batch_groups", batch_groups, 1)
         v_now = self._checked_version(v_now)
@@ -702,14 +726,14 @@ class TrajectoryPool:
         return np.flatnonzero(too_old), np.flatnonzero(~too_old)[:batch_groups]
 
     def refresh_drift(self, v_now: int, drift: DriftScorer) -> int:
-        """Score, in one call of `drift`, every pooled member with GS > 0 that has no score cached at
+        """Score, in one call of `drift`, every pooled member with model tokens that has no score cached at
         `v_now` (e.g. while the trainer would otherwise wait); `select` at the same version then reuses
         the scores. Returns how many were scored. Only the latest version's score is kept per
         trajectory: v_now never decreases, so an older one can never be reused."""
         v_now = self._checked_version(v_now)
         cols = self._cols
         rows = np.flatnonzero(cols.alive[: self._rows])
-        scored = self._score(rows[(cols.gs[rows] > 0) & (cols.drift_version[rows] != v_now)], v_now, drift)
+        scored = self._score(rows[cols.scorable[rows] & (cols.drift_version[rows] != v_now)], v_now, drift)
         self.last_v_now = v_now
         return scored
 
@@ -757,16 +781,22 @@ class TrajectoryPool:
             self.budget_ema, self.last_budget = rate, 0
             return np.zeros(0, dtype=np.intp), np.arange(min(batch_groups, occupancy))
         gs = cols.gs[rows]
-        stale_at = np.flatnonzero(gs > 0)  # members whose drift weight matters (positions in `rows`)
-        stale = rows[stale_at]
-        if drift is not None:  # before the EMA moves: a failing scorer must leave its state as it was
-            self._score(stale[cols.drift_version[stale] != v_now], v_now, drift)
+        candidate_at = np.flatnonzero(cols.scorable[rows])  # every member with a prefix, fresh ones too
+        candidates = rows[candidate_at]
+        stale_at = np.flatnonzero(gs > 0)  # members whose own weight pct^γ matters (positions in `rows`)
+        if drift is not None and stale_at.size:  # no stale member: the ranking would weigh nothing
+            # before the EMA moves: a failing scorer must leave its state as it was
+            self._score(candidates[cols.drift_version[candidates] != v_now], v_now, drift)
         self.budget_ema, self.last_budget = rate, budget
-        scored = cols.drift_version[stale] == v_now
-        pct = np.ones(stale.size)  # unscored: the full GS counts
-        pct[scored] = percentile_ranks(cols.drift[stale[scored]])
-        if unscored := int(stale.size - np.count_nonzero(scored)):
-            self.counts["drift_unscored"] += unscored
+        pct = np.ones(stale_at.size)  # unscored: the full GS counts
+        if candidates.size and (cols.drift_version[candidates] == v_now).all():
+            # Ranked among all candidates (docs/algorithms.md §6): a fresh member's F places the stale
+            # ones, so the size of a drift counts even when few members are stale.
+            by_position = np.zeros(rows.size)
+            by_position[candidate_at] = percentile_ranks(cols.drift[candidates])
+            pct = by_position[stale_at]  # GS > 0 implies model tokens: every stale member is a candidate
+        elif stale_at.size:
+            self.counts["drift_unscored"] += int(stale_at.size)
         # S_eff = WS where GS = 0, so only the stale members go through the weighting
         s_eff = (v_now - cols.v_done[rows]).astype(np.float64)
         s_eff[stale_at] = effective_staleness(s_eff[stale_at], gs[stale_at], pct, config.pace.gamma)

@@ -88,6 +88,12 @@ class SimConfig:
             check_int("sync_steps", self.sync_steps, 1)
         check_int("batch_groups", self.batch_groups, 1)
         check_int("sync_interval", self.sync_interval, 1)
+        eta = self.filter.admission.max_offpolicyness
+        if self.filter.name == "admission" and eta < self.sync_interval - 1:
+            raise ValueError(
+                f"filter.admission.max_offpolicyness ({eta}) must be >= sync_interval - 1 "
+                f"({self.sync_interval - 1}): the trainer takes S batches of one published version"
+            )
         check_int("seed", self.seed, 0)
         if self.token_block is not None:
             check_int("token_block", self.token_block, 1)

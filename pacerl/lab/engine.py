@@ -91,6 +91,7 @@ class _Simulation:
         self.events: list[tuple[float, int, int, Any]] = []
         self.sequence = 0
         self.version = 0
+        self.served_version = 0  # the version the engines' weights are of (the last published)
         self.trainer_busy = False
         self.running_groups: dict[str, Group] = {}
         self.pooled: dict[str, Group] = {}
@@ -148,7 +149,8 @@ class _Simulation:
             self.round_open = True
             room = config.sync_interval * config.batch_groups
         else:
-            room = self.pool.admission(self.stats.steps, len(self.running_groups), config.batch_groups)
+            lag = self.version - self.served_version
+            room = self.pool.admission(self.stats.steps, len(self.running_groups), config.batch_groups, lag)
             if room and len(self.pool) >= self.pool_cap:
                 if self.held_since is None:
                     self.held_since = self.now
@@ -485,6 +487,7 @@ class _Simulation:
         duration = self.config.colocated_switch_s if self.colocated else self.config.weight_sync_s
         reprefill = self.config.interrupt == "reprefill"
         now, version = self.now, self.version
+        self.served_version = version
         prefill_rate, model = self.inference.prefill_tokens_per_s, Origin.MODEL
         for engine in self.engines:
             self.advance(engine, now)

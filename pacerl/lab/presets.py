@@ -141,7 +141,7 @@ def _verl() -> Preset:
         batch_groups=128,
         sync_interval=4,
         filter=FilterConfig(
-            name="admission", max_concurrent_groups=1024, admission=AdmissionSettings(max_offpolicyness=2)
+            name="admission", max_concurrent_groups=1024, admission=AdmissionSettings(max_offpolicyness=5)
         ),
         weight_sync_s=5.0,
         colocated_switch_s=10.7,
@@ -169,8 +169,9 @@ def _verl() -> Preset:
             "trigger_parameter_sync_step 4), staleness_threshold 0.5, partial rollout, max response 28k, "
             "rollout log-probs in async (no old_log_prob pass) and an old_log_prob pass in sync, ≈ 10.7 s "
             "of other per-step time in sync",
-            "derived: staleness_threshold 0.5 × 512 prompts = 256 extra groups = η 2 batches of 128 in "
-            "AReaL's capacity; decode costs and KV capacity from H20 specs (4.0 TB/s, 148 TFLOP/s) and "
+            "derived: the rollouter may run (1 + staleness_threshold 0.5) × 4 batches of 128 ahead of "
+            "the last weight sync = η 5 in pacerl's lag-aware capacity ((η + steps − lag + 1)·B); "
+            "decode costs and KV capacity from H20 specs (4.0 TB/s, 148 TFLOP/s) and "
             "Qwen2.5-7B's shape (57 KB of KV per token); prefill ≈ 6k tok/s at 60% of peak",
             "assumed: response lengths lognormal (median 700, σ 1.2, cut at 28,672: mean ≈ 1,400), weight "
             "sync 5 s, trainer 1,450 tok/s/GPU (≈ 45% of peak)",

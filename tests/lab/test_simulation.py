@@ -227,6 +227,32 @@ def test_admission_caps_groups_in_flight_at_areals_capacity() -> None:
     )
 
 
+def test_admission_keeps_its_bound_when_weights_are_published_every_s_updates() -> None:
+    """η = S − 1 with S = 2 and 3: admission counts the engines' lag behind the trainer, so no trained
+    token is more than η versions old (without the lag term it reaches η + S − 1); η < S − 1 is refused."""
+    long_tail = dataclasses.replace(CONSTANT, response_tokens=Distribution.lognormal(60, 1.0, 600))
+    for interval in (2, 3):
+        eta = interval - 1
+        config = small(
+            steps=24,
+            sync_interval=interval,
+            workload=long_tail,
+            inference=dataclasses.replace(ENGINE, max_running=256),
+            filter=FilterConfig(
+                name="admission",
+                max_concurrent_groups=1000,
+                admission=AdmissionSettings(max_offpolicyness=eta),
+            ),
+        )
+        run = simulate_mode(config, "async")
+        assert run.staleness.max_staleness == eta, (interval, run.staleness.max_staleness)
+    with pytest.raises(ValueError, match=r"max_offpolicyness \(1\) must be >= sync_interval - 1 \(2\)"):
+        small(
+            sync_interval=3,
+            filter=FilterConfig(name="admission", admission=AdmissionSettings(max_offpolicyness=1)),
+        )
+
+
 def test_pace_rejections_are_counted() -> None:
     slow = TrainerConfig(tokens_per_gpu_s=TOKENS_PER_STEP / 3, step_fixed_s=0.1, recompute_async=False)
     config = small(

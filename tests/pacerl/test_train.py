@@ -197,6 +197,16 @@ def wait_until(condition: Callable[[], bool], limit: float = 60.0) -> bool:
     return condition()
 
 
+def test_admission_below_the_publication_lag_is_refused_at_load() -> None:
+    """η < S − 1 cannot hold (the trainer takes S batches of one published version): refused with the
+    reason, not run with a bound it does not keep. η = S − 1 loads."""
+    keys = ["filter.name=admission", "loop.mode=async", "loop.sync_interval=3"]
+    with pytest.raises(ConfigError, match=r"max_offpolicyness \(1\) must be >= loop.sync_interval - 1 \(2\)"):
+        load_config(None, [*keys, "filter.admission.max_offpolicyness=1"])
+    assert load_config(None, [*keys, "filter.admission.max_offpolicyness=2"]).loop.sync_interval == 3
+    assert load_config(None, [*keys[1:], "filter.admission.max_offpolicyness=1"]).filter.name == "pace"
+
+
 @pytest.mark.slow
 def test_bad_configs_and_run_dirs_get_one_line_errors(tmp_path: Path, warm_model: tuple[Path, Path]) -> None:
     with pytest.raises(ConfigError, match=r"unknown key loop\.stepz"):

@@ -192,6 +192,22 @@ async def test_every_filter_finishes_a_run_with_skipped_steps(
         assert max(learner.ages) <= eta, learner.ages
 
 
+@pytest.mark.parametrize("skips", [(), (2,), (1, 4)], ids=["no-skip", "skip2", "skip1-4"])
+@pytest.mark.parametrize(("sync_interval", "eta"), [(2, 1), (2, 2), (3, 2), (3, 4)])
+async def test_admission_bounds_staleness_by_eta_when_weights_are_published_every_s_updates(
+    tmp_path: Path, sync_interval: int, eta: int, skips: tuple[int, ...]
+) -> None:
+    """η bounds every trained token's age (trainer version − token version) also when the engine gets
+    weights only every S updates: admission counts the engine's lag behind the trainer. Without the lag
+    term, ages reach η + S − 1 (e.g. 2 with S = 2, η = 1)."""
+    learner = FakeLearner(skips)
+    run = make_run(tmp_path, filter_config("admission", eta), learner, sync_interval=sync_interval)
+    summary = await run_bounded(run)
+    assert summary["step"] == STEPS and learner.batch_sizes == [BATCH_GROUPS] * STEPS
+    assert max(learner.ages) <= eta, learner.ages
+    assert max(learner.ages) >= sync_interval - 1  # the lag itself shows: the bound is not vacuous
+
+
 async def test_a_blocked_producer_ends_the_run_with_one_line(tmp_path: Path) -> None:
     """The producer blocked for good: an `admission` pool that counted 12 accepted groups in 3 steps of
     4 groups, resumed into a run of 2-group batches (η = 0 allows (0 + 3 + 1)·2 = 8), with nothing
@@ -204,7 +220,8 @@ async def test_a_blocked_producer_ends_the_run_with_one_line(tmp_path: Path) -> 
     message = str(raised.value)
     assert len(message.splitlines()) == 1
     assert message.startswith("no batch can ever form at step 4: the pool holds 0 of the 2 groups")
-    assert "admission filter admits none" in message and "8 groups after 3 steps and 12" in message
+    assert "admission filter admits none" in message
+    assert "= 8 groups after 3 steps with the engine 0 versions behind, and 12 were accepted" in message
     assert run.driver.launched == [] and learner.calls == 0  # type: ignore[attr-defined]
 
 

@@ -56,7 +56,18 @@ def hand_groups() -> list[list[Trajectory]]:
     ]
 
 
-DRIFT = {"B/0": 0.5, "C/0": 0.1, "C/1": 0.3}
+DRIFT = {
+    "A/0": 0.2,
+    "A/1": 0.25,
+    "B/0": 0.5,
+    "B/1": 0.05,
+    "C/0": 0.01,
+    "C/1": 0.02,
+    "D/0": 0.03,
+    "D/1": 0.04,
+    "F/0": 0.015,
+}
+"""Prefix drift F of every member with model tokens (PACE ranks F among all of them, fresh ones too)."""
 
 
 def pool_of(config: FilterConfig, groups: Sequence[Sequence[Trajectory]] | None = None) -> TrajectoryPool:
@@ -137,6 +148,13 @@ def test_admission_capacity_by_hand() -> None:
         max_offpolicyness=0,
     )
     assert after_skip == 2
+    # the engine 1 version behind the trainer (weights published every 2 updates): one batch less,
+    # (4 + 2 - 1 + 1)·4 - (20 + 3) = 1; a lag of 3: (4 + 2 - 3 + 1)·4 - 23 = -7, floored at 0
+    assert admission_capacity(running_groups=3, accepted_groups=20, weight_lag=1, **common) == 1
+    assert admission_capacity(running_groups=3, accepted_groups=20, weight_lag=3, **common) == 0
+    assert admission_capacity(running_groups=3, accepted_groups=10, weight_lag=2, **common) == 7  # 20 - 13
+    with pytest.raises(ValueError, match="weight_lag"):
+        admission_capacity(running_groups=3, accepted_groups=20, weight_lag=-1, **common)
     with pytest.raises(ValueError, match="trainer_steps"):
         admission_capacity(running_groups=0, accepted_groups=0, **{**common, "trainer_steps": -1})
     with pytest.raises(ValueError, match="batch_groups"):
@@ -273,20 +291,62 @@ def test_pace_rejects_the_largest_effective_staleness_and_draws_in_arrival_order
     pool = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=2, ema=0.5, gamma=4.0)))
     drift = RecordingDrift(DRIFT)
     batch = pool.select(2, 10, drift)
-    # only GS > 0 members are re-scored, once, in arrival order
-    assert drift.calls == [["B/0", "C/0", "C/1"]]
+    # every member with model tokens is re-scored, once, in arrival order (the fresh ones place the
+    # stale ones in the ranking)
+    assert drift.calls == [["A/0", "A/1", "B/0", "B/1", "C/0", "C/1", "D/0", "D/1"]]
     # P = 4, P* = 2: e = 0.5·0 + 0.5·(2/4) = 0.25, K = round(0.25·4) = 1
     assert (pool.budget_ema, pool.last_budget) == (0.25, 1)
-    # drift 0.5, 0.1, 0.3 -> percentiles B/0 1.0, C/0 0.0, C/1 0.5
-    # group scores: A (2 + 2)/2 = 2; B (0 + 1·0.5 + 0)/2 = 0.25;
-    # C ((1 + 0·4) + (1 + 0.5^4·4))/2 = (1 + 1.25)/2 = 1.125; D 0.
-    # A (waited 2 versions) goes; C spans 5 versions but its prefix barely drifted, so it stays.
+    # drift ranks among all 8: C/0 .01, C/1 .02, D/0, D/1, B/1, A/0, A/1, B/0 .5 -> pct = rank/7:
+    # B/0 1, C/0 0, C/1 1/7. Group scores: A (2 + 2)/2 = 2; B (0 + 1·0.5 + 0)/2 = 0.25;
+    # C ((1 + 0·4) + (1 + (1/7)^4·4))/2 = 1 + 2/2401; D 0.
+    # A (waited 2 versions) goes; C spans 5 versions but its prefix drifted least of all, so it stays.
     assert pool.rejections == {"pace_budget": 1}
     assert pool.rejected_ids == ["A/0", "A/1"]
     assert ids(batch) == ["B", "C"]  # the rest in arrival order, not by score
     assert pool.group_ids() == ["D"]
     assert (pool.counts["drawn_groups"], pool.counts["rejected_trajectories"]) == (2, 2)
-    assert pool.counts["drift_scored"] == 3 and pool.counts["drift_unscored"] == 0
+    assert pool.counts["drift_scored"] == 8 and pool.counts["drift_unscored"] == 0
+
+
+def test_pace_ranks_a_large_drift_against_the_fresh_members_too() -> None:
+    """The issue's pool: v_now 8, P* 2, β 0, groups of two. A: tokens of versions 0 and 8 (GS 4, WS 0,
+    F 5.0); B0-B2 fresh (GS 0, WS 1, F 0.01). P = 4: e = 2/4, K = 2. Ranked among all eight members, A's
+    tie at the top has mid-rank 6.5 of 7: pct 13/14, S_eff = (13/14)^4·4 = 2.97 > 1, so A goes first,
+    then the latest of the tied fresh groups. Ranked among the stale members alone, A would get pct 0.5
+    (S_eff 0.25) whatever its drift, and B1, B2 would go instead."""
+    pool = TrajectoryPool(FilterConfig(name="pace", pace=PaceSettings(target_groups=2, ema=0.0)))
+    scores = {}
+    pool.add_group([traj(f"A/{i}", "A", [(0, 2), (8, 2)], 8) for i in range(2)])
+    scores.update({"A/0": 5.0, "A/1": 5.0})
+    for b in range(3):
+        pool.add_group([traj(f"B{b}/{i}", f"B{b}", [(7, 2)], 7) for i in range(2)])
+        scores.update({f"B{b}/0": 0.01, f"B{b}/1": 0.01})
+    assert ids(pool.select(2, 8, RecordingDrift(scores))) == ["B0", "B1"]
+    assert pool.rejected_ids == ["A/0", "A/1", "B2/0", "B2/1"]
+
+
+@pytest.mark.parametrize(("drift_a", "drawn"), [(0.0, "A"), (0.01, "A"), (100.0, "B")])
+def test_pace_decision_follows_the_size_of_the_drift(drift_a: float, drawn: str) -> None:
+    """One interrupted trajectory A (versions 4 and 8: GS 2, WS 0) against one fresh B (GS 0, WS 1,
+    F 0.01), P* 1, β 0: P = 2, K = 1. F_A below B's: pct 0, S_eff 0 < 1, B goes; equal: pct 0.5,
+    S_eff 0.5^4·2 = 0.125 < 1, B goes; far above: pct 1, S_eff 2 > 1, A goes."""
+    pool = TrajectoryPool(FilterConfig(name="pace", pace=PaceSettings(target_groups=1, ema=0.0)))
+    pool.add_group([traj("A/0", "A", [(4, 1), (8, 1)], 8)])
+    pool.add_group([traj("B/0", "B", [(7, 2)], 7)])
+    assert ids(pool.select(1, 8, RecordingDrift({"A/0": drift_a, "B/0": 0.01}))) == [drawn]
+
+
+def test_pace_leaves_members_without_model_tokens_out_of_the_ranking() -> None:
+    """A member that failed before its first token has no prefix: it is not scored and takes no rank.
+    Ranked among S/0 (F 1.0) and T/0 (F 0.5) alone, S/0 gets pct 1: S_eff = 0 + 1·2 = 2 > T's WS 1."""
+    failed = Trajectory.start("T/1", "T", "task", [1, 2])
+    failed.finish(Status.FAILED, reason="engine failed", reward=None, completed_version=7, completed_at=1.0)
+    pool = TrajectoryPool(FilterConfig(name="pace", pace=PaceSettings(target_groups=1, ema=0.0)))
+    pool.add_group([traj("S/0", "S", [(4, 1), (8, 1)], 8)])
+    pool.add_group([traj("T/0", "T", [(7, 2)], 7), failed])
+    drift = RecordingDrift({"S/0": 1.0, "T/0": 0.5})
+    # T's score is the mean of its members' WS: (1 + 1)/2 = 1 < 2, so S goes
+    assert ids(pool.select(1, 8, drift)) == ["T"] and drift.calls == [["S/0", "T/0"]]
 
 
 def test_pace_without_drift_counts_full_generation_staleness() -> None:
@@ -309,33 +369,35 @@ def test_pace_budget_stops_once_the_pool_is_back_at_target() -> None:
 
 
 def test_pace_drift_is_cached_per_version_and_asked_only_for_a_budget() -> None:
-    drift = RecordingDrift({**DRIFT, "E/0": 0.2})
+    drift = RecordingDrift({**DRIFT, "E/0": 0.6, "E/1": 0.07, "G/0": 0.001, "H/0": 0.002})
     pool = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=8)))  # P = 4 <= P*: K = 0
     assert ids(pool.select(1, 10, drift)) == ["A"] and drift.calls == []  # nothing to rank: no call
     pool = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=3, ema=0.0)))
-    # P = 4: e = 1/4, K = 1 rejects A (score 2); B is drawn; the GS > 0 members are scored once
+    # P = 4: e = 1/4, K = 1 rejects A (score 2, as in the first PACE test); B is drawn; every member
+    # with model tokens is scored once
     assert ids(pool.select(1, 10, drift)) == ["B"] and pool.rejected_ids == ["A/0", "A/1"]
-    assert drift.calls == [["B/0", "C/0", "C/1"]]
+    assert drift.calls == [["A/0", "A/1", "B/0", "B/1", "C/0", "C/1", "D/0", "D/1"]]
     pool.add_group([traj("E/0", "E", [(9, 1), (10, 1)], 10), traj("E/1", "E", [(10, 1)], 10)])
     pool.add_group([traj("F/0", "F", [(10, 1)], 10)])
-    # P = 4 (C, D, E, F), K = 1. Same version: C's scores are reused, only E/0 is scored.
-    # Percentiles among C/0 0.1, C/1 0.3, E/0 0.2 -> 0, 1, 0.5: C ((1 + 0) + (1 + 4))/2 = 3,
-    # E (0.5^4·0.5 + 0)/2 = 0.015625, D and F 0. C goes, D is drawn.
+    # P = 4 (C, D, E, F), K = 1. Same version: C's and D's scores are reused, E's and F's scored.
+    # Ranks among C/0 .01, F/0 .015, C/1 .02, D/0 .03, D/1 .04, E/1 .07, E/0 .6 -> pct = rank/6:
+    # C ((1 + 0) + (1 + (2/6)^4·4))/2 = 1 + 2/81; E (1·0.5 + 0)/2 = 0.25; D and F 0. C goes, D is drawn.
     assert ids(pool.select(1, 10, drift)) == ["D"] and pool.rejected_ids[2:] == ["C/0", "C/1"]
-    assert drift.calls[1:] == [["E/0"]]
+    assert drift.calls[1:] == [["E/0", "E/1", "F/0"]]
     pool.add_group([traj("G/0", "G", [(11, 1)], 11)])
     pool.add_group([traj("H/0", "H", [(11, 1)], 11)])
-    # v 11, P = 4 (E, F, G, H), K = 1: a new version re-scores the GS > 0 member still pooled.
-    # E/0 alone is scored: pct 0.5; E ((1 + 0.5^4·0.5) + 1)/2 = 1.015625 > F 1 > G, H 0.
+    # v 11, P = 4 (E, F, G, H), K = 1: a new version re-scores every member still pooled.
+    # Ranks G .001, H .002, F .015, E/1 .07, E/0 .6: E/0 pct 1, E ((1 + 1·0.5) + 1)/2 = 1.25 > F 1 > G, H 0.
     assert ids(pool.select(1, 11, drift)) == ["F"] and pool.rejected_ids[4:] == ["E/0", "E/1"]
-    assert drift.calls[2:] == [["E/0"]]
-    assert pool.counts["drift_calls"] == 3 and pool.counts["drift_scored"] == 5
+    assert drift.calls[2:] == [["E/0", "E/1", "F/0", "G/0", "H/0"]]
+    assert pool.counts["drift_calls"] == 3 and pool.counts["drift_scored"] == 16
 
 
 def test_pace_ties_are_rejected_latest_first_and_the_rest_drawn_in_arrival_order() -> None:
     pool = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=3, ema=0.0)))
     pool.add_group([traj("F/0", "F", [(10, 1)], 10)])  # score 0, like D but later
-    # P = 5: e = 2/5, K = 2 rejects A (2) and C (1.125); B (0.25), D and F (0) drawn in arrival order
+    # P = 5: e = 2/5, K = 2 rejects A (2) and C (1 + (2/8)^4·4/2 = 1.0078: C/1 ranks 2 of 8);
+    # B (0.25), D and F (0) drawn in arrival order
     assert ids(pool.select(3, 10, RecordingDrift(DRIFT))) == ["B", "D", "F"]
     assert pool.rejected_ids == ["A/0", "A/1", "C/0", "C/1"]
     tied = pool_of(FilterConfig(name="pace", pace=PaceSettings(target_groups=1, ema=0.0)), [hand_groups()[3]])
@@ -536,20 +598,24 @@ def test_state_dict_round_trip_is_exact() -> None:
     pool = pool_of(config, [*hand_groups(), [traj("E/0", "E", [(6, 2), (9, 1)], 9)]])
     pool.select(1, 10, RecordingDrift(DRIFT | {"E/0": 0.2}))
     state = json.loads(json.dumps(pool.state_dict(), allow_nan=False))
-    # P = 5: e = 0.5·(3/5) = 0.3, K = round(1.5) = 2 rejects A and C; B is drawn; D and E stay
-    # pooled, E/0 with its score at v 10
-    assert [entry[0] for entry in state["drift"]] == ["E/0"]
+    # P = 5: e = 0.5·(3/5) = 0.3, K = round(1.5) = 2. E/0 (GS 2, WS 1) ties A/0 at 0.2: mid-rank 5.5 of
+    # 8, E = 1 + (5.5/8)^4·2 = 1.45; A 2, C 1 + (1/8)^4·2, B 0.25, D 0: A and E go, B is drawn; C and D
+    # stay pooled with their scores at v 10
+    assert [entry[0] for entry in state["drift"]] == ["C/0", "C/1", "D/0", "D/1"]
     restored = TrajectoryPool(config)
     restored.load_state_dict(state)
     assert restored.state_dict() == state
     assert len(restored) == len(pool) and restored.num_trajectories == pool.num_trajectories
     assert (restored.budget_ema, restored.accepted_groups) == (pool.budget_ema, pool.accepted_groups)
-    # the cache came back: the same select on both, at the same version and over target (E/0's score
-    # ranks the rejection), calls no scorer
+    # the cache came back: the same select on both, at the same version and over target, asks only for
+    # the new member's score. P = 3: e = 0.5·0.3 + 0.5·(1/3), K = round(0.95) = 1. Ranks G/0 .005, C/0,
+    # C/1, D/0, D/1 -> pct = rank/4: C ((1 + (1/4)^4·4) + (1 + (2/4)^4·4))/2 = 1.13 goes; D, G drawn.
+    drifts = [RecordingDrift({"G/0": 0.005}), RecordingDrift({"G/0": 0.005})]
     for either in (pool, restored):
         either.add_group([traj("G/0", "G", [(10, 1)], 10)])
-    assert ids(restored.select(2, 10, no_drift_call)) == ids(pool.select(2, 10, no_drift_call)) == ["D", "G"]
-    assert restored.rejected_ids[-1:] == pool.rejected_ids[-1:] == ["E/0"]
+    assert ids(restored.select(2, 10, drifts[0])) == ids(pool.select(2, 10, drifts[1])) == ["D", "G"]
+    assert drifts[0].calls == drifts[1].calls == [["G/0"]]
+    assert restored.rejected_ids[-2:] == pool.rejected_ids[-2:] == ["C/0", "C/1"]
     assert restored.state_dict() == pool.state_dict()
     restored.add_group([traj("H/0", "H", [(10, 1)], 10)])
     assert restored.accepted_groups == pool.accepted_groups + 1
@@ -588,9 +654,9 @@ def test_bad_input_raises() -> None:
         pool.select(1, 9)  # B and D finished at version 10
     assert len(pool) == 4 and pool.accepted_groups == 4  # nothing changed
     with pytest.raises(ValueError, match="one score per trajectory"):
-        pool.select(1, 10, lambda batch: [0.1])  # three members need scores
+        pool.select(1, 10, lambda batch: [0.1])  # eight members need scores
     with pytest.raises(ValueError, match="finite"):
-        pool.select(1, 10, lambda batch: [0.1, float("nan"), -1.0])
+        pool.select(1, 10, lambda batch: [0.1, float("nan"), -1.0] + [0.1] * (len(batch) - 3))
     assert pool.budget_ema == 0.0 and pool.counts["drift_calls"] == 0
     pool.select(1, 11)
     with pytest.raises(ValueError, match="went back"):
