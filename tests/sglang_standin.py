@@ -38,6 +38,23 @@ github.com/sgl-project/sglang), these files of it:
   `Authorization: Bearer <key>`, else HTTP 401 `{"error": "Unauthorized"}`.
 - `python/sglang/srt/state_capturer/routed_experts.py`: routed experts `(prompt + completion − 1,
   layers, top_k)` int32, base64, only with the server flag (`enable_return_routed_experts` here).
+- Routes of every decoder layer, dense ones zero (`sglang_routed_layers`, `as_sglang_builds`):
+  `RoutedExpertsCapturer.__init__` (`state_capturer/routed_experts.py`, lines 63-93 of the wheel) sizes
+  the capture buffers by `hf_text_config.num_hidden_layers` and `num_experts_per_tok`; `BaseDeviceCache`
+  and `BaseHostCache` (`state_capturer/base.py`, lines 29-42 and 63-75) allocate them zero-filled, and
+  `BaseDeviceCache.capture` (lines 48-50) writes the column of the one `layer_id` it is given. Only an
+  MoE block's `TopK` calls it (`capture_routed_experts_if_allowed` in `layers/moe/topk.py`, lines
+  2529-2545, with the TopK's `layer_id`, the decoder layer's index), and `on_forward_end` (base.py
+  lines 190-221) copies whole rows, every layer's column, to the host buffer: a layer without an MoE
+  block stays 0 in every answer. Which layers have one: DeepSeek-V3, `DeepseekV2DecoderLayer.
+  _is_layer_sparse` (`models/deepseek_v2.py`, lines 2785-2792: `n_routed_experts` set, `layer_id >=
+  first_k_dense_replace` and `layer_id % moe_layer_freq == 0`, an attribute a DeepSeek-V3 config.json
+  carries and transformers' `DeepseekV3Config` does not define, so a config without it does not load);
+  Qwen2-MoE and Qwen3-MoE, every layer (`stage_facts` in `models/qwen2_moe.py` line 1057 and
+  `models/qwen3_moe.py` line 877: "all layers are sparse"; `mlp_only_layers` and `decoder_sparse_step`
+  are not read), so a checkpoint's dense layer gets an MoE block whose router and experts
+  `load_weights` never fills (`qwen2_moe.py` lines 1324-1408 skip names the model lacks, the dense
+  MLP's among them); Mixtral, OLMoE, GraniteMoE and gpt-oss, every layer.
 - Weights by broadcast: `http_server.py` (`/init_weights_update_group`, `/begin_weight_update`,
   `/update_weights_from_distributed`, `/end_weight_update`, `/destroy_weights_update_group`, each
   answering `{"success", "message"}`, 400 when false; `/server_info` with the resolved server args,
@@ -74,7 +91,10 @@ before anything is received (SGLang zips the lists, fails at the bad dtype after
 receives, and knows "flattened_bucket"); names and shapes that do not fit the model are refused after
 receiving and before any copy, so the old weights stay whole (SGLang loads as far as it gets and says
 the weights are partially updated); the session's begin and end do nothing to the weights (SGLang
-unpacks and repacks quantized ones there).
+unpacks and repacks quantized ones there). Dense layers: the MoE blocks SGLang builds in place of a
+Qwen-MoE checkpoint's dense layers get a seeded random initialisation (`as_sglang_builds`), where
+SGLang's keep whatever memory they were allocated in; a DeepSeek-V3 model whose `moe_layer_freq` is
+not 1 (layers transformers builds with a router and SGLang without) is refused, not served.
 """
 
 from __future__ import annotations
@@ -82,6 +102,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import copy
 import datetime
 import json
 import math
@@ -100,10 +121,11 @@ import torch
 import torch.distributed as dist
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from agents.engine.embedded import EmbeddedEngine
 from agents.engine.protocol import FinishReason, Generation, SamplingParams
-from agents.models import checkpoint_layout
+from agents.models import checkpoint_layout, moe_info
 
 TOP_K_ALL = 1 << 30
 """SGLang's "whole vocabulary" top_k (what -1 becomes)."""
@@ -133,6 +155,60 @@ _UNSUPPORTED_AT_DEFAULT: dict[str, Any] = {
     "watermark": None, "choice": None,
 }  # fmt: skip
 """Sampling fields the stand-in accepts only at their SGLang default."""
+
+
+def sglang_routed_layers(config: PretrainedConfig) -> tuple[int, ...]:
+    """The decoder layers SGLang 0.5.23 builds with an MoE block for a model of `config`: the columns of
+    its routed-experts answers that hold routes (see the module docstring, "Routes of every decoder
+    layer"); the other columns stay 0."""
+    text = config.get_text_config()
+    layers = range(int(text.num_hidden_layers))
+    if text.model_type != "deepseek_v3":
+        return tuple(layers)  # every layer sparse, whatever the config says of dense layers
+    frequency = getattr(text, "moe_layer_freq", None)
+    if frequency is None:
+        raise ValueError("SGLang 0.5.23 reads moe_layer_freq from a DeepSeek-V3 config, which this one lacks")
+    sparse = [
+        layer
+        for layer in layers
+        if text.n_routed_experts is not None
+        and layer >= text.first_k_dense_replace
+        and layer % frequency == 0
+    ]
+    return tuple(sparse)
+
+
+def as_sglang_builds(model: PreTrainedModel, seed: int = 0) -> PreTrainedModel:
+    """The model SGLang 0.5.23 runs from `model`'s checkpoint: `model` itself, except for a Qwen2-MoE or
+    Qwen3-MoE with dense layers (`mlp_only_layers`, `decoder_sparse_step` > 1), which SGLang builds
+    sparse throughout, loading what fits the checkpoint's tensors and nothing into the routers and
+    experts of the checkpoint's dense layers. Those keep a random initialisation here (seeded by
+    `seed`), where SGLang keeps whatever memory they were allocated in."""
+    config: Any = model.config
+    family = config.model_type
+    if family not in ("qwen2_moe", "qwen3_moe") or (
+        not config.mlp_only_layers and config.decoder_sparse_step == 1
+    ):
+        if sglang_routed_layers(config) != moe_info(model).layers:
+            raise ValueError(f"the stand-in does not build this {family} model as SGLang 0.5.23 would")
+        return model
+    sparse = copy.deepcopy(config)
+    sparse.mlp_only_layers = []
+    sparse.decoder_sparse_step = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        served = AutoModelForCausalLM.from_config(sparse, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    wanted = served.state_dict()
+    checkpoint = {
+        name: tensor
+        for name, tensor in model.state_dict().items()
+        if name in wanted and wanted[name].shape == tensor.shape
+    }
+    served.load_state_dict(checkpoint, strict=False)
+    served.train(False)
+    if not isinstance(served, PreTrainedModel):
+        raise TypeError(f"from_config built a {type(served).__name__}")
+    return served
 
 
 class _RefusedError(ValueError):
@@ -303,6 +379,20 @@ class _Server:
         self.session_open = False
         """Whether a weight-update session is open (`/begin_weight_update` .. `/end_weight_update`)."""
         self.vocab_size = int(engine.model.config.vocab_size)
+        self.num_layers = 0
+        """Columns of a routed-experts answer: the model's decoder layers."""
+        self.moe_layers: tuple[int, ...] = ()
+        """The columns the engine's routes (MoE layers only) fill; the others stay 0."""
+        if engine.is_moe:
+            self.num_layers = int(engine.model.config.get_text_config().num_hidden_layers)
+            self.moe_layers = moe_info(engine.model).layers
+            sglang_layers = sglang_routed_layers(engine.model.config)
+            if sglang_layers != self.moe_layers:
+                raise ValueError(
+                    f"SGLang 0.5.23 builds the MoE layers {list(sglang_layers)} of this "
+                    f"{engine.model.config.model_type} model, which has them at {list(self.moe_layers)}: "
+                    "serve as_sglang_builds(model), the model SGLang runs from its checkpoint"
+                )
         eos = engine.model.config.eos_token_id
         self.eos = {eos} if isinstance(eos, int) else set(eos or [])
 
@@ -549,8 +639,10 @@ class _Server:
         meta.update({"reasoning_tokens": 0, "completion_tokens": len(tokens), "cached_tokens": 0})
         routes = generation.routed_experts
         if job.want_routes and self.routed_experts and routes is not None:
-            # The engine answers the rows of positions [routes_start, prompt + completion - 1).
-            rows = np.ascontiguousarray(routes, dtype="<i4")
+            # The engine answers the rows of positions [routes_start, prompt + completion - 1) at its
+            # MoE layers; SGLang's rows have a column per decoder layer, 0 where there is no router.
+            rows = np.zeros((len(routes), self.num_layers, routes.shape[2]), dtype="<i4")
+            rows[:, self.moe_layers] = routes
             meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
         meta["e2e_latency"] = latency
         answer: dict[str, Any] = {}

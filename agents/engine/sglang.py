@@ -35,6 +35,18 @@ from these files of it:
   `(prompt + completion − 1, num_hidden_layers, num_experts_per_tok)` (rows of positions whose next
   token was computed), captured only with `--enable-return-routed-experts`, sent as base64 of the
   raw little-endian bytes.
+- Dense layers: the array has a column for every decoder layer, and a layer without an MoE block
+  leaves its column 0. `RoutedExpertsCapturer.__init__` (`state_capturer/routed_experts.py`, lines
+  63-93) sizes the buffers by `num_hidden_layers`; `BaseDeviceCache` and `BaseHostCache`
+  (`state_capturer/base.py`, lines 29-42, 63-75) allocate them zero-filled; only an MoE block's `TopK`
+  writes a column, its own layer's (`capture_routed_experts_if_allowed`, `layers/moe/topk.py` lines
+  2529-2545; `BaseDeviceCache.capture`, base.py lines 48-50). The layers with an MoE block
+  (`routed_layers`): DeepSeek-V3's from `first_k_dense_replace` on, every `moe_layer_freq`-th
+  (`DeepseekV2DecoderLayer._is_layer_sparse`, `models/deepseek_v2.py` lines 2785-2792); every layer of
+  Qwen2-MoE and Qwen3-MoE, whose `mlp_only_layers` and `decoder_sparse_step` SGLang does not read
+  (`stage_facts`, `models/qwen2_moe.py` line 1057, `models/qwen3_moe.py` line 877), so that it builds a
+  checkpoint's dense layer as an MoE block whose weights `load_weights` never loads (it skips the dense
+  MLP's names); every layer of Mixtral, OLMoE, GraniteMoE and gpt-oss.
 - `routed_experts_start_len` (`GenerateReqInput` in `io_struct.py`: "Absolute start position for
   returned routings; response covers `[routed_experts_start_len, seqlen - 1)`. Must be in
   [0, prompt_tokens]. 0 = full sequence."): `SchedulerBatchResultProcessor._maybe_collect_routed_experts`
@@ -54,6 +66,13 @@ Versions. A token's version is the server's `weight_version` (its spans when pre
 is an integer, which it always is for a server launched by `launch_command` (`--weight-version`) and
 updated by this client (`weight_version` is sent with every update); otherwise it is this client's
 version when the request was sent. Requests wait while this client updates weights, so both agree.
+
+MoE layers only. A `Generation`'s routes have the embedded engine's shape, `[rows, MoE layers,
+top_k]`: the client keeps the columns of the layers `routed_layers` finds in the model's config.json
+(read at the server's model_path, else in `SGLangOptions.base_model_dir`), which must be the layers
+transformers builds with a router, those the learner replays (`agents.models.moe_info`), and checks
+that the columns it drops are 0. A model SGLang builds with MoE blocks elsewhere (a Qwen-MoE
+checkpoint with dense layers) is an `SGLangLayoutError` before any request asks for routes.
 
 Routes of new positions only. A caller that holds the rows of the first positions of its sequence
 (an earlier turn, or a generation interrupted by a weight update and now resumed) passes their count
@@ -86,6 +105,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -104,10 +124,11 @@ from typing import Any, Literal, TypeVar
 import httpx
 import numpy as np
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from agents.engine.protocol import ContextOverflowError, FinishReason, Generation, SamplingParams
 from agents.engine.weight_group import GroupBackend, WeightBroadcastGroup, describe
-from agents.models import WeightLayout
+from agents.models import MOE_ADAPTERS, WeightLayout, moe_info
 
 _T = TypeVar("_T")
 _log = logging.getLogger(__name__)
@@ -141,6 +162,12 @@ class SGLangRequestError(SGLangError):
 
 class SGLangProtocolError(SGLangError):
     """The server's answer is not what SGLang 0.5.23 sends (or lacks something pacerl asked for)."""
+
+
+class SGLangLayoutError(ValueError):
+    """The routed experts SGLang returns for this model cannot be mapped onto the trained model's MoE
+    layers (see `routed_layers`), or the options contradict the model's config.json: a configuration
+    problem, raised to the caller rather than retried as a failed request."""
 
 
 @dataclass(frozen=True)
@@ -178,13 +205,18 @@ class SGLangOptions:
     max_shard_bytes: int = 5 * 2**30
     """Largest safetensors file written; a bigger state_dict is sharded with an index file."""
     num_layers: int | None = None
-    """Layers in the routed-experts array (SGLang's `num_hidden_layers`); None reads the model's
-    config.json at the server's `model_path` (from `/model_info`), which must be readable here."""
+    """Decoder layers of the served model (its `num_hidden_layers`): SGLang's routed-experts array has
+    a column for each, dense layers included. None: from the model's config.json, read at the server's
+    `model_path` (from `/model_info`) when this machine has it, else in `base_model_dir`; when one is
+    readable, every value given here must agree with it."""
     top_k: int | None = None
-    """Experts per token in the routed-experts array (`num_experts_per_tok`); None: as num_layers."""
+    """Experts per token in the routed-experts array (`num_experts_per_tok`); None: from config.json."""
     num_experts: int | None = None
-    """Experts per MoE layer, to check every routed index; None: from the config when num_layers or
-    top_k come from it, else unchecked."""
+    """Experts per MoE layer, to check every routed index; None: from config.json, else unchecked."""
+    moe_layers: tuple[int, ...] | None = None
+    """The decoder layers with a router, whose columns of the routed-experts array are kept (the
+    trained model's MoE layers, `agents.models.moe_info(model).layers`; the other columns must be 0).
+    None: from config.json (`routed_layers`), else every layer."""
     allow_untruncated_logprobs: bool = False
     """SGLang returns log-probs before top-k/top-p truncation, not those of the distribution sampled
     from; requests with truncation are refused unless this accepts those log-probs."""
@@ -243,6 +275,17 @@ class SGLangOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"SGLangOptions.{name} must be None or an int >= 1, got {value!r}")
+        if self.moe_layers is not None:
+            layers = self.moe_layers
+            valid = all(isinstance(layer, int) and not isinstance(layer, bool) for layer in layers)
+            if not layers or not valid or layers[0] < 0 or any(b <= a for a, b in itertools.pairwise(layers)):
+                raise ValueError(
+                    f"SGLangOptions.moe_layers must be None or ascending layer indices >= 0, got {layers!r}"
+                )
+            if self.num_layers is not None and layers[-1] >= self.num_layers:
+                raise ValueError(
+                    f"SGLangOptions.moe_layers {layers!r} name a layer beyond num_layers={self.num_layers}"
+                )
         if self.weight_transport not in ("disk", "distributed"):
             raise ValueError(
                 f"SGLangOptions.weight_transport must be disk or distributed, got {self.weight_transport!r}"
@@ -261,6 +304,7 @@ class _Layout:
     num_layers: int
     top_k: int
     num_experts: int | None
+    moe_layers: tuple[int, ...]
 
 
 class SGLangEngine:
@@ -334,6 +378,8 @@ class SGLangEngine:
         }
         if return_routed_experts and start:
             body["routed_experts_start_len"] = start
+        if return_routed_experts:
+            await self._routes_layout()  # a model whose routes cannot be mapped fails before generating
         await self._no_update.wait()
         sent_version = self._version
         response = await self._request(
@@ -670,7 +716,16 @@ class SGLangEngine:
                 f"{layout.top_k} x 4 bytes = {expected}"
             )
         shape = (rows, layout.num_layers, layout.top_k)
-        routes = np.frombuffer(raw, dtype="<i4").astype(np.int32).reshape(shape)
+        every = np.frombuffer(raw, dtype="<i4").astype(np.int32).reshape(shape)
+        dense = [layer for layer in range(layout.num_layers) if layer not in layout.moe_layers]
+        routed = [layer for layer in dense if every[:, layer].any()]
+        if routed:
+            raise SGLangProtocolError(
+                f"{where}: routed_experts holds nonzero expert ids at layer "
+                f"{', '.join(map(str, routed))}, which the model's config makes dense (SGLang leaves the "
+                "column of a layer without an MoE block 0): the server does not run this model"
+            )
+        routes = np.ascontiguousarray(every[:, list(layout.moe_layers)]) if dense else every
         if routes.size and (
             routes.min() < 0 or (layout.num_experts is not None and routes.max() >= layout.num_experts)
         ):
@@ -684,24 +739,50 @@ class SGLangEngine:
         if self._layout is not None:
             return self._layout
         options = self.options
-        layers, top_k, experts = options.num_layers, options.top_k, options.num_experts
-        if layers is None or top_k is None:
-            model_path = (await self.model_info()).get("model_path")
-            config = await asyncio.to_thread(_read_config, model_path)
-            if config is None:
+        model_path = (await self.model_info()).get("model_path")
+        directory = await asyncio.to_thread(_config_dir, model_path, options.base_model_dir)
+        if directory is None:
+            if options.num_layers is None or options.top_k is None:
                 raise SGLangProtocolError(
                     "cannot tell the routed experts' layers and top_k: set SGLangOptions.num_layers and "
-                    f"top_k (the server's model_path {model_path!r} has no config.json readable here)"
+                    f"top_k, or base_model_dir (the server's model_path {model_path!r} has no config.json "
+                    "readable here)"
                 )
-            layers = layers or _config_int(config, "num_hidden_layers")
-            top_k = top_k or _config_int(config, "num_experts_per_tok")
-            experts = experts or _config_int(config, *_EXPERT_COUNT_KEYS)
-            if layers is None or top_k is None:
-                raise SGLangProtocolError(
-                    f"the config.json at {model_path!r} has no num_hidden_layers / num_experts_per_tok: "
-                    "set SGLangOptions.num_layers and top_k"
+            layers = options.num_layers
+            moe_layers = options.moe_layers or tuple(range(layers))
+            self._layout = _Layout(layers, options.top_k, options.num_experts, moe_layers)
+            return self._layout
+        config = await asyncio.to_thread(_read_config, directory) or {}
+        found_layers = _config_int(config, "num_hidden_layers")
+        found_top_k = _config_int(config, "num_experts_per_tok")
+        if found_layers is None or found_top_k is None:
+            raise SGLangProtocolError(
+                f"the config.json in {directory} has no num_hidden_layers / num_experts_per_tok: "
+                "set SGLangOptions.num_layers and top_k"
+            )
+        found = _Layout(
+            found_layers,
+            found_top_k,
+            _config_int(config, *_EXPERT_COUNT_KEYS),
+            await asyncio.to_thread(routed_layers, directory),
+        )
+        names = {
+            "num_layers": "num_hidden_layers",
+            "top_k": "num_experts_per_tok",
+            "num_experts": "the experts per layer",
+            "moe_layers": "the layers routed",
+        }
+        for option, meaning in names.items():
+            given, value = getattr(options, option), getattr(found, option)
+            if given is not None and value is not None and given != value:
+                raise SGLangLayoutError(
+                    f"SGLangOptions.{option}={given!r}, but the model at {directory} has {meaning} = "
+                    f"{value!r} (SGLang's routed experts have a column per decoder layer, dense ones "
+                    "included): leave it unset to take the model's"
                 )
-        self._layout = _Layout(layers, top_k, experts)
+        if found.num_experts is None and options.num_experts is not None:
+            found = _Layout(found.num_layers, found.top_k, options.num_experts, found.moe_layers)
+        self._layout = found
         return self._layout
 
     # -- weights -------------------------------------------------------------------------------------
@@ -1117,6 +1198,64 @@ def _token_versions(meta: dict[str, Any], count: int, sent_version: int, where: 
             return tuple(versions)
     number = _version_number(meta.get("weight_version"))
     return (sent_version if number is None else number,) * count
+
+
+def routed_layers(model_dir: str | os.PathLike[str]) -> tuple[int, ...]:
+    """The decoder layers whose columns of SGLang 0.5.23's routed experts hold routes, for the model
+    whose config.json is in `model_dir`: those SGLang builds with an MoE block (see the module
+    docstring). For a family with an R3 adapter they must be the layers transformers builds with a
+    router, which the learner replays (`agents.models.moe_info`), else `SGLangLayoutError`; a family
+    without one: every layer."""
+    raw = _read_config(str(model_dir))
+    layers = _config_int(raw or {}, "num_hidden_layers")
+    if raw is None or layers is None:
+        raise SGLangLayoutError(f"{model_dir} has no config.json with num_hidden_layers")
+    family = raw.get("model_type")
+    if family not in MOE_ADAPTERS:
+        return tuple(range(layers))
+    config: Any = AutoConfig.from_pretrained(model_dir).get_text_config()
+    served = _sglang_moe_layers(config)
+    with torch.device("meta"):  # the layers transformers builds, without allocating a weight
+        shape = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # untyped there
+    trained = moe_info(shape).layers
+    if served != trained:
+        qwen = (
+            "it reads neither mlp_only_layers nor decoder_sparse_step, and loads no weights into the "
+            "MoE blocks of the checkpoint's dense layers"
+        )
+        why = {
+            "qwen2_moe": qwen,
+            "qwen3_moe": qwen,
+            "deepseek_v3": "every moe_layer_freq-th layer from first_k_dense_replace on; transformers "
+            "reads no moe_layer_freq",
+        }.get(family, "its own layer rule")
+        raise SGLangLayoutError(
+            f"SGLang 0.5.23 builds layers {list(served)} of this {family} model with an MoE block "
+            f"({why}), but the trained model's MoE layers are {list(trained)}: the server does not "
+            "run this checkpoint as trained, and its routes cannot be replayed. Generate with the "
+            "embedded engine (engine_backend=embedded)"
+        )
+    return served
+
+
+def _sglang_moe_layers(config: Any) -> tuple[int, ...]:
+    """The layers SGLang 0.5.23 gives an MoE block, by its model classes' rules (module docstring)."""
+    layers = range(int(config.num_hidden_layers))
+    if config.model_type != "deepseek_v3":
+        return tuple(layers)
+    # SGLang reads config.moe_layer_freq unguarded: a config without it does not load there at all.
+    frequency = int(getattr(config, "moe_layer_freq", 1))
+    first_dense = int(config.first_k_dense_replace)
+    routed = config.n_routed_experts is not None
+    return tuple(layer for layer in layers if routed and layer >= first_dense and layer % frequency == 0)
+
+
+def _config_dir(model_path: Any, base_model_dir: str | None) -> str | None:
+    """The first of the server's model_path and `base_model_dir` with a config.json readable here."""
+    for candidate in (model_path, base_model_dir):
+        if isinstance(candidate, str) and candidate and (Path(candidate) / "config.json").is_file():
+            return candidate
+    return None
 
 
 def _read_config(model_path: Any) -> dict[str, Any] | None:

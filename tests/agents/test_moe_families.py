@@ -51,6 +51,7 @@ TINY: dict[str, dict[str, Any]] = {
     "deepseek_v3": {
         "num_hidden_layers": 3,
         "first_k_dense_replace": 1,  # layer 0 dense, layers 1 and 2 MoE
+        "moe_layer_freq": 1,  # DeepSeek-V3's config.json has it; SGLang reads it, transformers does not
         "n_routed_experts": 8,
         "n_group": 4,
         "topk_group": 2,  # group-limited top-k: 2 of 4 groups of 2 experts
