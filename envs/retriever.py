@@ -26,8 +26,9 @@ never differently shaped:
   (4,096 queries of 512 characters) takes well under a second of CPU on the shipped corpus.
 - The HTTP limits of `sandbox._http_guard` apply: a body over `RetrieverLimits.max_body_bytes` is 413
   (at once when declared), a body not in within the body timeout 408, a full body budget or a full
-  search queue 503 with `Retry-After`, and a connection that does not finish its headers in time is
-  closed. Searches run on at most `search_workers` threads, off the event loop. `GET /health`
+  search queue 503 with `Retry-After`, headers over the cap 431, a connection that does not finish
+  its headers in time is closed, and past the connection cap so is the one waiting longest for a
+  request. Searches run on at most `search_workers` threads, off the event loop. `GET /health`
   reports the document count.
 
 Corpus rows are Search-R1's `{"id": str, "contents": "\\"Title\\"\\ntext"}`; rows with `text` (and an

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shlex
@@ -18,46 +17,9 @@ from pacerl.lab.simulate_cli import add_simulate_parser
 from pacerl.plots import add_plot_parser
 from pacerl.serve_openai import add_serve_openai_parser
 from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
-from sandbox._http_guard import HttpGuardConfig
+from sandbox._http_guard import add_guard_flags as _add_http_guard_flags
+from sandbox._http_guard import guard_from_flags as _http_guard
 from sandbox.limits import RequestMaxima
-
-_GUARD_FLAGS = {
-    "max_body_bytes": ("--max-body-bytes", int, "largest request body; longer is HTTP 413"),
-    "body_budget_bytes": ("--body-budget-bytes", int, "body bytes held at once; past it requests wait"),
-    "max_waiting": ("--max-waiting-bodies", int, "requests waiting for body budget; more get HTTP 503"),
-    "queue_timeout_s": ("--queue-timeout", float, "seconds a request may wait for body budget, then 503"),
-    "body_timeout_s": ("--body-timeout", float, "seconds for the whole body to arrive, then 408"),
-    "header_timeout_s": ("--header-timeout", float, "seconds for a request's headers, then it is closed"),
-    "keep_alive_s": ("--keep-alive", int, "seconds an idle keep-alive connection stays open"),
-    "max_connections": ("--max-connections", int, "connections served at once; requests on more get 503"),
-    "max_header_bytes": ("--max-header-bytes", int, "request line plus headers; longer is HTTP 400"),
-}  # fmt: skip
-"""HttpGuardConfig field -> (flag, type, help), for both servers."""
-
-
-def _add_http_guard_flags(parser: argparse.ArgumentParser, body_defaults: tuple[str, str]) -> None:
-    """The HTTP limits of a server (sandbox._http_guard). `body_defaults` are the server's own defaults
-    of --max-body-bytes and --body-budget-bytes, as help text: the modules that compute them import
-    fastapi, too slow for a parser built on every `pacerl` call (a test checks the two agree)."""
-    shared = HttpGuardConfig()
-    shown = {"max_body_bytes": body_defaults[0], "body_budget_bytes": body_defaults[1]}
-    group = parser.add_argument_group("HTTP limits against hostile clients")
-    for field, (flag, kind, text) in _GUARD_FLAGS.items():
-        default = shown.get(field, getattr(shared, field))
-        metavar = "S" if field.endswith("_s") else "N"
-        help_text = f"{text} (default: {default})"
-        group.add_argument(
-            flag, dest=f"http_{field}", type=kind, default=None, metavar=metavar, help=help_text
-        )
-
-
-def _http_guard(args: argparse.Namespace, defaults: HttpGuardConfig) -> HttpGuardConfig:
-    """`defaults` with the HTTP limit flags given on the command line."""
-    given = {field: getattr(args, f"http_{field}") for field in _GUARD_FLAGS}
-    return dataclasses.replace(
-        defaults, **{field: value for field, value in given.items() if value is not None}
-    )
-
 
 _RETRIEVER_FLAGS = {
     "max_queries": ("--max-queries", "queries in one request", 4096),

@@ -53,7 +53,8 @@ Hostile clients meet the limits of `sandbox._http_guard` (`GUARD` by default, `p
 --help` lists them): a body over `max_body_bytes` is HTTP 413 (at once when its Content-Length says
 so), a malformed Content-Length 400, a body not in within the body timeout 408; bodies wait for room
 in a shared byte budget before they are read and hold it until answered (503 past the wait queue);
-connections that do not finish their headers in time are closed.
+connections that do not finish their headers in time are closed, headers over the cap are 431, and
+past the connection cap the connection waiting longest for a request is closed.
 """
 
 from __future__ import annotations

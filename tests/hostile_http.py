@@ -1,15 +1,22 @@
 """Hostile HTTP clients on raw sockets, for the servers' tests (tests/sandbox/test_sandbox_server.py,
-tests/envs/test_retriever.py). Loopback only; every loop is bounded in count and time. The assertions wait
-for events (the server answers, the server closes the connection), never for the machine's speed:
-each read has a generous timeout, and hitting it means the server never did what it must."""
+tests/envs/test_retriever.py, tests/pacerl/test_serve_openai.py), and a guarded server on a thread.
+Loopback only; every loop is bounded in count and time. The assertions wait for events (the server
+answers, the server closes the connection), never for the machine's speed: each read has a generous
+timeout, and hitting it means the server never did what it must."""
 
 from __future__ import annotations
 
 import json
 import select
 import socket
+import threading
 import time
 from typing import Any
+
+import uvicorn
+
+from sandbox._http_guard import ErrorBody, HttpGuardConfig, detail_body, uvicorn_config
+from tests.helpers import free_port
 
 PATIENCE_S = 20.0
 """How long a client waits for the server to answer or close, far past every timeout under test."""
@@ -148,3 +155,70 @@ def assert_slow_body_is_408(port: int, path: str, partial_body: bytes) -> None:
     status, headers, body = exchange(port, post_head(path, 100) + partial_body)
     assert status == 408 and headers["connection"] == "close"
     assert detail(body) == "the request body did not arrive within 1 s"
+
+
+def padded_request(path: str, head_bytes: int, *, ended: bool = True) -> bytes:
+    """A GET of `path` whose request line and headers are `head_bytes` long (an X-Padding header makes
+    up the length); without `ended` the blank line that ends the headers never comes."""
+    start = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: ".encode()
+    end = b"\r\n\r\n" if ended else b"\r\n"
+    return start + b"a" * (head_bytes - len(start) - len(end)) + end
+
+
+def assert_oversized_headers_are_431(port: int, path: str, cap: int = 16 * 1024) -> list[bytes]:
+    """Headers of 20 KB and 70 KB sent at once, and 20 KB of headers that never end, are answered 431
+    and the connection is closed; headers just under `cap` are served (`path` answers a GET with 200).
+    Returns the bodies of the three 431 answers. (h11 alone counted only headers still incomplete:
+    those that arrived whole, at any size, were served.)"""
+    bodies = []
+    for request in (padded_request(path, 20_000), padded_request(path, 70_000)):
+        status, headers, body = exchange(port, request)
+        assert status == 431 and headers["connection"] == "close", (len(request), status, body[:200])
+        bodies.append(body)
+    status, headers, body = exchange(port, padded_request(path, 20_000, ended=False))
+    assert status == 431 and headers["connection"] == "close", ("unended", status, body[:200])
+    bodies.append(body)
+    status, _, body = exchange(port, padded_request(path, cap - 100))
+    assert status == 200, (status, body[:200])
+    return bodies
+
+
+def open_silent_connections(port: int, count: int) -> list[socket.socket]:
+    """`count` connections to 127.0.0.1:`port` that send nothing (the caller closes them)."""
+    opened: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            opened.append(socket.create_connection(("127.0.0.1", port), timeout=PATIENCE_S))
+    except BaseException:
+        for connection in opened:
+            connection.close()
+        raise
+    return opened
+
+
+class GuardedServer:
+    """`app` served as `sandbox._http_guard.run_server` serves it (the guard's protocol, connection cap
+    and header cap, `error_body` for the answers the protocol writes itself), on a daemon thread of
+    this process, at 127.0.0.1:`port`."""
+
+    def __init__(self, app: Any, guard: HttpGuardConfig, error_body: ErrorBody = detail_body) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn_config(
+            app, "127.0.0.1", self.port, guard, error_body=error_body, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> GuardedServer:
+        self._thread.start()
+        deadline = time.monotonic() + 30  # a hang guard: uvicorn starts in well under a second
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"uvicorn did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)

@@ -32,6 +32,7 @@ from pacerl.cli import main
 from tests.helpers import ThreadServer, free_port, record_http_requests
 from tests.hostile_http import (
     assert_idle_after_answer_then_partial_is_closed,
+    assert_oversized_headers_are_431,
     assert_slow_body_is_408,
     assert_slow_headers_are_closed,
     detail,
@@ -460,6 +461,11 @@ def test_slow_headers_are_closed(guarded_port: int) -> None:
     health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     assert_idle_after_answer_then_partial_is_closed(guarded_port, health, "/retrieve")
     assert httpx.get(f"http://127.0.0.1:{guarded_port}/health", timeout=5).status_code == 200
+
+
+def test_oversized_headers_are_431_and_the_connection_closed(guarded_port: int) -> None:
+    bodies = assert_oversized_headers_are_431(guarded_port, "/health")
+    assert [detail(body) for body in bodies] == ["request line and headers larger than 16384 bytes"] * 3
 
 
 def test_cli_caps_are_flags(guarded_port: int) -> None:

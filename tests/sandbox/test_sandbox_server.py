@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import logging
 import signal
 import subprocess
 import sys
@@ -27,12 +28,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pacerl.cli import main
 from sandbox import ExecStatus, Limits, Sandbox, SandboxUsageError
 from sandbox._http_guard import (
+    ACCEPT_FAILED,
     MIB,
     BodyBudget,
     BodyGuard,
     BudgetExhaustedError,
     HttpGuardConfig,
+    QuietAcceptFailures,
     declared_length,
+    open_files_needed,
 )
 from sandbox.remote import RemoteOptions
 from sandbox.request import MAX_CODE_BYTES
@@ -40,6 +44,7 @@ from sandbox.server import GUARD, create_app
 from tests.helpers import BackendRuns, ThreadServer, free_port
 from tests.hostile_http import (
     assert_idle_after_answer_then_partial_is_closed,
+    assert_oversized_headers_are_431,
     assert_slow_body_is_408,
     assert_slow_headers_are_closed,
     detail,
@@ -669,6 +674,11 @@ def test_slow_headers_are_closed(guarded_port: int) -> None:
     assert httpx.get(f"http://127.0.0.1:{guarded_port}/v1/ping", timeout=5).json() == "pong"
 
 
+def test_oversized_headers_are_431_and_the_connection_closed(guarded_port: int) -> None:
+    bodies = assert_oversized_headers_are_431(guarded_port, "/v1/ping")
+    assert [detail(body) for body in bodies] == ["request line and headers larger than 16384 bytes"] * 3
+
+
 def test_a_streamed_body_over_the_cap_is_413(guarded_port: int) -> None:
     def chunks() -> Iterator[bytes]:  # chunked, no Content-Length: the guard counts what arrives
         yield b'{"code": "'
@@ -788,6 +798,52 @@ def test_http_guard_config_is_validated() -> None:
             HttpGuardConfig(**{field: 0})
     with pytest.raises(ValueError, match="max_waiting"):
         HttpGuardConfig(max_waiting=-1)
+
+
+def test_the_open_file_limit_is_raised_or_the_connection_cap_lowered() -> None:
+    """A server raises its soft limit on open files to fit its connections, an accept backlog's worth
+    more twice over and SPARE_FILES; under a hard limit too low for that, fewer connections are kept."""
+    probe = (
+        "import resource, sys; from sandbox._http_guard import allow_open_files; "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
+        "fits = [allow_open_files(n) for n in (50, 2048)]; "
+        "print(*fits, resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+    )
+
+    def fits(soft: int, hard: int) -> list[int]:
+        run = subprocess.run(
+            [sys.executable, "-c", probe, str(soft), str(hard)], capture_output=True, timeout=60
+        )
+        assert run.returncode == 0, run.stderr
+        return [int(word) for word in run.stdout.split()]
+
+    assert open_files_needed(50) == 50 + 2 * 50 + 256 and open_files_needed(2048) == 3 * 2048 + 256
+    assert fits(512, 512) == [50, (512 - 256) // 3, 512]
+    assert fits(1024, 8192) == [50, 2048, 3 * 2048 + 256]
+
+
+def test_accept_failures_are_logged_once_a_minute() -> None:
+    """asyncio (3.11) retries accept() for every connection waiting after it fails for want of file
+    descriptors, and reports each failure with a traceback: thousands of lines a second. The servers'
+    event loops log one line a minute at most, with the count of those left out."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(handler)
+    loop = asyncio.new_event_loop()
+    quiet = QuietAcceptFailures()
+    failure = {"message": ACCEPT_FAILED, "exception": OSError(24, "Too many open files")}
+    try:
+        for _ in range(2000):
+            quiet(loop, failure)
+        assert len(lines) == 1 and "Too many open files" in lines[0] and quiet.unlogged == 1999
+        quiet.last_logged -= 60  # as if a minute had passed
+        quiet(loop, failure)
+        assert len(lines) == 2 and "1999 failures not logged" in lines[1]
+    finally:
+        log.removeHandler(handler)
+        loop.close()
 
 
 def test_cli_help_shows_the_servers_real_defaults(capsys: pytest.CaptureFixture[str]) -> None:
