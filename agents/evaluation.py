@@ -182,6 +182,11 @@ class EvalReport:
     config: EvalConfig
     """The config it ran with."""
 
+    @property
+    def failed_episodes(self) -> int:
+        """Episodes that ended `failed` (an engine or env error), not scored by the model's answer."""
+        return sum(count for ending, count in self.failures.items() if ending.startswith("failed"))
+
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types (pass@k keyed by k as a string)."""
         data = asdict(self)

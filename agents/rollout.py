@@ -29,6 +29,7 @@ import asyncio
 import inspect
 import itertools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -88,6 +89,10 @@ class RolloutConfig:
     """Context budget of a whole episode (prompt, generations and tool responses)."""
     engine_retries: int = 2
     """Times a failed engine call is retried before the trajectory ends `failed`."""
+    engine_backoff_s: float = 0.5
+    """Seconds before the first retry of a failed engine call, doubling with each further failure of
+    the same call up to `ENGINE_BACKOFF_CAP_S` (`retry_delay`), so that a server that is down or
+    restarting is not hammered. >= 0 (0: retry at once)."""
     on_failure: Literal["keep", "drop_group"] = "drop_group"
     """A group with a failed trajectory: keep the others, or drop the whole group (its advantages
     would otherwise be computed over fewer samples than the rest)."""
@@ -100,8 +105,22 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.max_total_tokens < 2 or self.engine_retries < 0:
             raise ValueError("group_size >= 1, max_total_tokens >= 2 and engine_retries >= 0 are required")
+        if not (math.isfinite(self.engine_backoff_s) and self.engine_backoff_s >= 0):
+            raise ValueError(f"engine_backoff_s must be finite and >= 0, got {self.engine_backoff_s!r}")
         if self.on_failure not in ("keep", "drop_group"):
             raise ValueError(f"on_failure must be keep or drop_group, got {self.on_failure!r}")
+
+
+ENGINE_BACKOFF_CAP_S = 8.0
+"""The longest wait before retrying a failed engine call."""
+
+
+def retry_delay(failures: int, base_s: float, cap_s: float = ENGINE_BACKOFF_CAP_S) -> float:
+    """Seconds to wait before retrying a call that failed `failures` times in a row (>= 1):
+    min(cap, base·2^(failures − 1)), exponential backoff."""
+    if failures < 1:
+        raise ValueError(f"failures must be >= 1, got {failures}")
+    return min(cap_s, base_s * 2.0 ** min(failures - 1, 64))
 
 
 class RolloutDriver:
@@ -126,8 +145,12 @@ class RolloutDriver:
         """Whether the engine is an `EngineWithRoutesStart`; one that is not (a proxy that does not
         forward the argument) answers every row of the stream, of which the driver keeps the new
         ones: the same record, only more bytes on the way."""
+        self.last_failure = ""
+        """The reason of the latest trajectory that ended `failed` ("" while none has)."""
         self.counts: Counter[str] = Counter()
         """Outcomes so far: `status:<status>`, `reason:<reason>`, `resumed`, `dropped_groups`,
+        `engine_errors` (engine calls that failed, each retried after `retry_delay` or ending its
+        trajectory),
         `resumed_from_checkpoint`, `resume_tool_output_changed`, `requeued`, and
         `assistant_rerendered`: tool turns after an assistant turn that the template writes differently
         once more follows it (Qwen3 drops an empty `<think>` block from a turn that is no longer last);
@@ -204,6 +227,8 @@ class RolloutDriver:
         self.counts[f"status:{trajectory.status.value}"] += 1
         if trajectory.status is not Status.COMPLETED:
             self.counts[f"reason:{trajectory.status_reason}"] += 1
+        if trajectory.status is Status.FAILED:
+            self.last_failure = trajectory.status_reason
         return trajectory
 
     async def _play(
@@ -368,9 +393,13 @@ class RolloutDriver:
                 return f"context overflow: {error}"
             except (RuntimeError, OSError, TimeoutError) as error:
                 failures += 1
-                log.warning("engine call failed (%d/%d): %s", failures, self.config.engine_retries + 1, error)
+                self.counts["engine_errors"] += 1
+                errors = self.counts["engine_errors"]
+                if errors & (errors - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...: a dead server is not a flood
+                    log.warning("engine call failed (%d engine errors so far): %s", errors, error)
                 if failures > self.config.engine_retries:
                     return f"engine failed: {error}"
+                await asyncio.sleep(retry_delay(failures, self.config.engine_backoff_s))
                 continue
             append_generation(
                 trajectory, generation, num_experts=self.num_experts, started_at=started, ended_at=time.time()
@@ -380,8 +409,10 @@ class RolloutDriver:
                 return produced
             if self.engine.version == version_before:  # aborted, but not for new weights
                 failures += 1
+                self.counts["engine_errors"] += 1
                 if failures > self.config.engine_retries:
                     return "engine aborted the request"
+                await asyncio.sleep(retry_delay(failures, self.config.engine_backoff_s))
             self.counts["resumed"] += 1  # interrupted: continue (under the new version, if any)
             if len(produced) >= budget:
                 return produced

@@ -148,10 +148,12 @@ def main_eval(
             result = _run_suite(config, given, suite, suite_dir, str(subject), keep)
             print(result.table(), end="")
             data = {**result.to_json(), "markdown": result.markdown(), "run_config": config_to_dict(config)}
+            reports = [(r.benchmark.name, r.report) for r in result.results]
         else:
             report = _run_env(config, str(subject), keep)
             print(report.table(), end="")
             data = {**report.to_json(), "run_config": config_to_dict(config)}
+            reports = [(str(config.env.id), report)]
     if episodes is not None:
         print(f"wrote the episodes to {episodes}")
     if out is not None:
@@ -159,6 +161,15 @@ def main_eval(
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {path}")
+    for name, evaluated in reports:  # written first, but a pipeline must not take this for a score
+        if evaluated.failed_episodes == evaluated.episodes:
+            ending = max(evaluated.failures, key=lambda key: evaluated.failures[key])
+            raise RuntimeError(
+                " ".join(
+                    f"every episode of {name} failed ({evaluated.episodes} of {evaluated.episodes}, "
+                    f"e.g. {ending}): its scores measure the failure, not the model".split()
+                )
+            )
     return 0
 
 

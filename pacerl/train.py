@@ -39,7 +39,7 @@ from pacerl.lab.emulated import clock_config, train_emulated
 from pacerl.parallel import is_learner_rank, serve_rank
 from pacerl.plots import plot_run
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
-from trainer.loop import Run, train_async, train_sync
+from trainer.loop import Run, RunFailedError, train_async, train_sync
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,12 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
         log.warning("stopped at step %d with a checkpoint; continue with --resume %s", run.step, run_dir)
         summary["interrupted"] = True
     summary["seconds"] = time.monotonic() - started
+    nothing = None if run.stopping else run.trained_nothing()
+    if nothing is not None:
+        summary["failure"] = nothing
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    if nothing is not None:  # the outputs are written, but a pipeline must not take this for success
+        raise RunFailedError(f"{nothing}; outputs in {run_dir}")
     return summary
 
 
@@ -304,7 +309,7 @@ def main_sft(config_path: str | None, overrides: list[str], out: str) -> int:
 def quiet_logging() -> None:
     """pacerl's own progress lines; the HTTP clients' per-request lines only when something fails."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for name in ("httpx", "httpcore", "tensorboardX"):
+    for name in ("httpx", "httpcore", "openai", "tensorboardX"):  # openai: a line per retried request
         logging.getLogger(name).setLevel(logging.WARNING)
     # transformers' save_pretrained bar would interleave with ours
     transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]

@@ -25,7 +25,7 @@ import numpy as np
 
 from agents.engine.protocol import Engine
 from agents.rollout import RolloutDriver
-from agents.trajectory import Trajectory
+from agents.trajectory import Status, Trajectory
 from envs import Task
 from trainer.checkpoint import Checkpoint, restore_rng, save_checkpoint
 from trainer.learner import LearnerLike, StepResult
@@ -57,6 +57,15 @@ class LoopConfig:
     max_wall_s: float | None = None
     """Stop (with a checkpoint) after the first step that ends past this many seconds of the run, for
     comparisons at an equal wall-clock budget; None: run all `steps`."""
+    max_failed_groups: int = 64
+    """Groups in a row whose rollouts failed (dropped for a failed member, or every member failed) with
+    no group finishing in between, before the run stops with `RunFailedError` naming the last failure
+    (a dead engine or env): each failed engine call is already retried with backoff
+    (`rollout.engine_retries`), so this bounds how long a run relaunches groups that cannot finish. >= 1."""
+    max_untrainable_batches: int = 3
+    """Batches in a row without a trainable trajectory (none ended with a model token and a reward)
+    before the run stops with `RunFailedError` naming how the episodes ended (e.g. a context budget
+    smaller than the prompt, or failed episodes kept by `rollout.on_failure=keep`). >= 1."""
 
     def __post_init__(self) -> None:
         if self.max_wall_s is not None and not self.max_wall_s > 0:
@@ -65,8 +74,15 @@ class LoopConfig:
             raise ValueError(f"mode must be sync or async, got {self.mode!r}")
         if min(self.steps, self.batch_groups, self.sync_interval, self.keep_checkpoints) < 1:
             raise ValueError("steps, batch_groups, sync_interval and keep_checkpoints must be >= 1")
+        if min(self.max_failed_groups, self.max_untrainable_batches) < 1:
+            raise ValueError("max_failed_groups and max_untrainable_batches must be >= 1")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+
+
+class RunFailedError(RuntimeError):
+    """The run cannot go on, or trained nothing: rollouts keep failing, no batch holds anything to train
+    on, or every step was skipped. The message is one line naming the cause."""
 
 
 class TaskCursor:
@@ -135,6 +151,12 @@ class Run:
         self.extra_scalars: dict[str, float] = {}
         """Merged last into every step's metrics (an emulated clock's simulated time: `pacerl.lab`)."""
         self._rejected_seen = 0
+        self._failed_in_a_row = 0
+        self._untrainable_in_a_row = 0
+        self.steps_run = 0
+        """Steps taken by this invocation (a resumed run counts from its checkpoint)."""
+        self.updated_steps = 0
+        """Of `steps_run`, the steps that changed the weights."""
         self._started = time.time()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsWriter(run_dir)
@@ -145,7 +167,9 @@ class Run:
         """Sync mode: `batch_groups` groups played by the current weights."""
         drawn = [self.cursor.next() for _ in range(self.config.batch_groups)]
         groups = await asyncio.gather(*(self.driver.rollout_group(task, gid) for gid, task in drawn))
-        self.dropped_groups += [gid for (gid, _), group in zip(drawn, groups, strict=True) if not group]
+        for (group_id, _), group in zip(drawn, groups, strict=True):
+            self._tally(group_id, group)
+        self._raise_failure()
         return [group for group in groups if group]
 
     async def produce(self) -> None:
@@ -162,7 +186,7 @@ class Run:
         for group_id, (task, members) in self._saved_in_flight.items():
             self._launch(group_id, task, members)
         self._saved_in_flight = {}
-        while True:
+        while self._failure is None:  # a failure the trainer must hear of ends production
             # Steps, not versions: a skipped step consumed its batch without moving the version.
             room = self.pool.admission(
                 self.step, len(self._running), self.config.batch_groups, self.weight_lag()
@@ -191,8 +215,34 @@ class Run:
                 if group:
                     self.pool.add_group(group)
                     self._pool_changed.set()
-                else:
-                    self.dropped_groups.append(group_id)
+                self._tally(group_id, group)
+
+    def _tally(self, group_id: str, group: Sequence[Trajectory]) -> None:
+        """Count a finished group (dropped: empty); `RunFailedError` once `max_failed_groups` failed in
+        a row, so a dead engine ends the run instead of being relaunched against for ever."""
+        if not group:
+            self.dropped_groups.append(group_id)
+        if group and any(t.status is not Status.FAILED for t in group):
+            self._failed_in_a_row = 0
+            return
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row >= self.config.max_failed_groups and self._failure is None:
+            self._failure = RunFailedError(
+                _one_line(
+                    f"rollouts keep failing: {self._failed_in_a_row} groups in a row failed and none "
+                    f"finished (loop.max_failed_groups); the last failure: "
+                    f"{self.driver.last_failure or 'unknown'}"
+                )
+            )
+            self._pool_changed.set()
+
+    def _raise_failure(self) -> None:
+        """Raise what ended production: `RunFailedError` as it is, anything else wrapped in one line."""
+        failure = self._failure
+        if isinstance(failure, RunFailedError):
+            raise RunFailedError(str(failure)) from failure
+        if failure is not None and not isinstance(failure, asyncio.CancelledError):
+            raise RuntimeError(f"rollout production failed: {failure!r}") from failure
 
     # -- filter ---------------------------------------------------------------------------------------
 
@@ -201,9 +251,8 @@ class Run:
         stop is requested meanwhile). Never waits for a batch that cannot come: a RuntimeError of one
         line names the cause (`stalled`)."""
         while True:
-            if self._failure is not None and not isinstance(self._failure, asyncio.CancelledError):
-                raise RuntimeError(f"rollout production failed: {self._failure!r}") from self._failure
             self._collect()
+            self._raise_failure()
             if self.stopping:
                 return []
             if len(self.pool) >= self.config.batch_groups:
@@ -265,11 +314,51 @@ class Run:
 
     async def train(self, groups: list[list[Trajectory]]) -> StepResult:
         """One learner update on a worker thread (the engine and the envs keep going meanwhile)."""
-        staleness = staleness_summary([t for group in groups for t in group], self.learner.version)
+        members = [t for group in groups for t in group]
+        staleness = staleness_summary(members, self.learner.version)
         result = await asyncio.to_thread(self.learner.train_step, groups)
         self.step += 1
+        self.steps_run += 1
+        self.updated_steps += int(result.updated)
         self.record(result, staleness)
+        self._check_trainable(members)
         return result
+
+    def _check_trainable(self, members: Sequence[Trajectory]) -> None:
+        """`RunFailedError` once `max_untrainable_batches` batches in a row held no trajectory that ended
+        with a model token and a reward: the episodes cannot produce anything to learn from."""
+        if any(t.reward is not None and t.num_model_tokens > 0 for t in members):
+            self._untrainable_in_a_row = 0
+            return
+        self._untrainable_in_a_row += 1
+        if self._untrainable_in_a_row < self.config.max_untrainable_batches:
+            return
+        endings = Counter(
+            f"{t.status.value}"
+            + (f": {t.status_reason}" if t.status_reason else "")
+            + ("" if t.num_model_tokens else ", no model token")
+            for t in members
+        )
+        how = "; ".join(f"{ending} ×{count}" for ending, count in endings.most_common(3))
+        how = how or "none, every group was dropped for a failed member"
+        last = f"; the last failure: {self.driver.last_failure}" if self.driver.last_failure else ""
+        raise RunFailedError(
+            _one_line(
+                f"nothing to train on: {self._untrainable_in_a_row} batches in a row held no episode that "
+                f"ended with a model token and a reward (loop.max_untrainable_batches); the last batch's "
+                f"episodes: {how}{last}"
+            )
+        )
+
+    def trained_nothing(self) -> str | None:
+        """Why this invocation trained nothing although it took steps (every step skipped), or None."""
+        if not self.steps_run or self.updated_steps:
+            return None
+        skipped = ", ".join(f"{reason} ×{count}" for reason, count in self.learner.counts.most_common(4))
+        return (
+            f"trained nothing: all {self.steps_run} steps were skipped ({skipped or 'no reason recorded'}), "
+            f"the policy is still version {self.learner.version}"
+        )
 
     async def publish(self) -> None:
         """Send the current weights to the engine under the learner's version."""
@@ -288,6 +377,7 @@ class Run:
             pool_groups=float(len(self.pool)),
             in_flight_groups=float(len(self._running)),
             dropped_groups=float(len(self.dropped_groups)),
+            engine_errors=float(self.driver.counts["engine_errors"]),
             elapsed_s=time.time() - self._started,
             updated=float(result.updated),
         )
@@ -417,9 +507,16 @@ class Run:
             "skipped": dict(self.learner.counts),
             "driver": dict(self.driver.counts),
             "dropped_groups": len(self.dropped_groups),
+            "steps_run": self.steps_run,
+            "updated_steps": self.updated_steps,
             "budget_spent": self.budget_spent,
             "faults": dict(self.faults),
         }
+
+
+def _one_line(text: str) -> str:
+    """A message on one line (a server's error text may hold newlines)."""
+    return " ".join(text.split())
 
 
 def _truncate_after(path: Path, step: int) -> None:
@@ -443,6 +540,9 @@ async def train_sync(run: Run) -> dict[str, Any]:
             if run.checkpoint_due():
                 run.checkpoint()
         run.finish()
+    except RunFailedError:
+        run.finish()  # what was trained is kept: `--resume` continues once the cause is fixed
+        raise
     finally:
         await run.aclose()
     return run.summary()
@@ -465,6 +565,9 @@ async def train_async(run: Run) -> dict[str, Any]:
             if run.checkpoint_due():
                 run.checkpoint()
         run.finish()
+    except RunFailedError:
+        run.finish()  # what was trained is kept: `--resume` continues once the cause is fixed
+        raise
     finally:
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)

@@ -14,7 +14,7 @@ import torch
 
 from agents.engine import EmbeddedEngine, FinishReason, Generation, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe
-from agents.rollout import RolloutConfig, RolloutDriver
+from agents.rollout import ENGINE_BACKOFF_CAP_S, RolloutConfig, RolloutDriver, retry_delay
 from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Origin, Status, Trajectory
 from envs import Task, load_tasks
@@ -240,6 +240,63 @@ async def test_engine_failures_fail_the_trajectory_and_drop_the_group(tokenizer:
     kept = await keep.rollout_group(TASK)
     assert [t.status for t in kept] == [Status.FAILED, Status.FAILED]
     assert kept[0].status_reason == "engine failed: the server went away"
+
+
+def test_retry_delay_doubles_to_its_cap() -> None:
+    assert [retry_delay(n, 0.5, cap_s=3.0) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert retry_delay(1, 0.0) == 0.0 and retry_delay(10_000, 0.25) == ENGINE_BACKOFF_CAP_S
+    with pytest.raises(ValueError, match="failures"):
+        retry_delay(0, 0.5)
+    with pytest.raises(ValueError, match="engine_backoff_s"):
+        RolloutConfig(engine_backoff_s=-1.0)
+
+
+class FlakyEngine(ScriptedEngine):
+    """Fails its first `failures` calls (a server restarting), then plays its turns."""
+
+    def __init__(self, tokenizer: object, turns: Sequence[str], failures: int) -> None:
+        super().__init__(tokenizer, turns)
+        self.failures = failures
+
+    async def generate(self, *args: object, **kwargs: object) -> Generation:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("the server is restarting")
+        return await super().generate(*args, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_transient_engine_errors_are_retried_after_a_backoff_and_counted(
+    tokenizer: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recorded_sleep(delay: float) -> None:
+        waits.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr("agents.rollout.asyncio.sleep", recorded_sleep)
+    driver = RolloutDriver(
+        FlakyEngine(tokenizer, ["The product is \\boxed{5535}.<|im_end|>"], failures=2),
+        tokenizer,
+        lambda: CodeMathEnv(tasks=[TASK]),
+        RolloutConfig(group_size=1, engine_retries=2, engine_backoff_s=0.25),
+    )
+    (trajectory,) = await driver.rollout_group(TASK)
+    assert trajectory.status is Status.COMPLETED and trajectory.reward == 1.0
+    assert driver.counts["engine_errors"] == 2 and waits == [0.25, 0.5]  # backoff doubles per failure
+    assert driver.last_failure == ""
+    dead = RolloutDriver(
+        FailingEngine(tokenizer, []),
+        tokenizer,
+        lambda: CodeMathEnv(tasks=[TASK]),
+        RolloutConfig(group_size=1, engine_retries=3, engine_backoff_s=1.0),
+    )
+    waits.clear()
+    assert await dead.rollout_group(TASK) == []
+    # three retries after 1, 2 and 4 s, then the trajectory fails: no wait after the last attempt
+    assert dead.counts["engine_errors"] == 4 and waits == [1.0, 2.0, 4.0]
+    assert dead.last_failure == "engine failed: the server went away"
 
 
 async def test_prompt_longer_than_the_context_is_truncated(tokenizer: object) -> None:

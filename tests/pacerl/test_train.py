@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +28,8 @@ from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
+HANG_S = 600
+"""Bound on a command that must end on its own within tens of seconds: reaching it means it hung."""
 
 
 @pytest.mark.slow
@@ -205,6 +208,81 @@ def test_admission_below_the_publication_lag_is_refused_at_load() -> None:
         load_config(None, [*keys, "filter.admission.max_offpolicyness=1"])
     assert load_config(None, [*keys, "filter.admission.max_offpolicyness=2"]).loop.sync_interval == 3
     assert load_config(None, [*keys[1:], "filter.admission.max_offpolicyness=1"]).filter.name == "pace"
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released): connections to it are refused."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_runs_that_cannot_train_end_with_one_line_and_a_nonzero_exit(
+    tmp_path: Path, warm_model: tuple[Path, Path]
+) -> None:
+    """What a pipeline must not take for success, each ending on its own in bounded time with a
+    non-zero exit and a last line naming the cause: a dead SGLang server (async and sync), a context
+    budget below the prompt, tasks no episode can score (every step skipped), and an evaluation whose
+    every episode failed. The five commands run side by side."""
+    model, tasks = warm_model
+    impossible = tmp_path / "impossible.jsonl"
+    impossible.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "question": f"What is {i} + 1?", "answer": "zebra"}) + "\n"
+            for i in range(8)
+        )
+    )
+    dead = f"http://127.0.0.1:{closed_port()}"
+    quiet = ["sft.when=never", "evaluation.every=0", "evaluation.at_start=false", "evaluation.at_end=false"]
+    common = [f"model.path={model}", "env.id=pacerl/Math-v0", f"env.tasks={tasks}", *quiet, "loop.steps=3"]
+    commands = {
+        "dead_async": ["train", *common, "engine_backend=sglang", f"sglang.url={dead}"],
+        "dead_sync": ["train", *common, "engine_backend=sglang", f"sglang.url={dead}", "loop.mode=sync"],
+        "no_room": ["train", *common, "rollout.max_total_tokens=8"],
+        "no_signal": ["train", *common[:2], f"env.tasks={impossible}", *quiet, "loop.steps=2"],
+        "eval_dead": ["eval", "--env", "pacerl/Math-v0", "--tasks", str(tasks), "engine_backend=openai",
+                      f"openai.base_url={dead}/v1", "openai.model=m"],
+    }  # fmt: skip
+    for name, args in commands.items():
+        if args[0] == "train":
+            args.append(f"run_dir={tmp_path / name}")
+    processes = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "pacerl", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
+    lasts = {}
+    for name, process in processes.items():
+        try:
+            _, stderr = process.communicate(timeout=HANG_S)
+        except subprocess.TimeoutExpired:
+            for other in processes.values():
+                other.kill()
+            pytest.fail(f"{name} did not end within {HANG_S} s: it hangs instead of failing")
+        assert process.returncode == 2, (name, stderr[-2000:])
+        lasts[name] = stderr.strip().splitlines()[-1]
+        assert len(stderr.splitlines()) < 30, (name, stderr[-3000:])  # no flood of retries
+    refused = f"cannot connect to the SGLang server at {dead}/"
+    assert lasts["dead_async"].startswith("pacerl: error: rollouts keep failing: 64 groups in a row failed")
+    assert refused in lasts["dead_async"]
+    assert lasts["dead_sync"].startswith("pacerl: error: nothing to train on: 3 batches in a row")
+    assert (
+        "every group was dropped for a failed member" in lasts["dead_sync"] and refused in lasts["dead_sync"]
+    )
+    assert lasts["no_room"].startswith("pacerl: error: nothing to train on: 3 batches in a row")
+    assert "truncated: context budget exhausted, no model token" in lasts["no_room"]
+    assert lasts["no_signal"].startswith("pacerl: error: trained nothing: all 2 steps were skipped (")
+    assert "zero_advantage" in lasts["no_signal"] and "the policy is still version 0" in lasts["no_signal"]
+    assert json.loads((tmp_path / "no_signal" / "summary.json").read_text())["updated_steps"] == 0
+    assert lasts["eval_dead"].startswith("pacerl: error: every episode of pacerl/Math-v0 failed (32 of 32")
+    for name in ("dead_async", "dead_sync", "no_room"):  # what ran is kept for a --resume
+        assert latest_checkpoint(tmp_path / name / "checkpoints") is not None, name
 
 
 @pytest.mark.slow

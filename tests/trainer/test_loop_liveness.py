@@ -12,7 +12,7 @@ import asyncio
 import json
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,9 @@ import torch
 from agents.trajectory import Status, Trajectory
 from envs import Task
 from tests.scripted import ScriptedEngineBase
+from trainer.checkpoint import latest_checkpoint
 from trainer.learner import StepResult
-from trainer.loop import LoopConfig, Run, train_async
+from trainer.loop import LoopConfig, Run, RunFailedError, train_async, train_sync
 from trainer.pool import (
     FILTER_NAMES,
     AdmissionSettings,
@@ -95,6 +96,7 @@ class FakeDriver:
         self.ticks = ticks
         self.counts: Counter[str] = Counter()
         self.launched: list[str] = []
+        self.last_failure = ""
 
     async def rollout_group(
         self, task: Task, group_id: str | None = None, resume: Mapping[str, Trajectory] | None = None
@@ -124,26 +126,68 @@ class FakeDriver:
         return {}
 
 
-def make_run(tmp_path: Path, filter_config: FilterConfig, learner: FakeLearner, **loop: Any) -> Run:
+class FailingDriver(FakeDriver):
+    """Groups fail (dropped, like `on_failure=drop_group`) except those whose launch number (1-based)
+    is in `finishing`; or, with `untrainable`, every episode ends truncated before its first token."""
+
+    def __init__(
+        self, engine: FakeEngine, finishing: set[int] = frozenset(), untrainable: bool = False
+    ) -> None:  # type: ignore[assignment]
+        super().__init__(engine)
+        self.finishing, self.untrainable = finishing, untrainable
+
+    async def rollout_group(
+        self, task: Task, group_id: str | None = None, resume: Mapping[str, Trajectory] | None = None
+    ) -> list[Trajectory]:
+        number = len(self.launched) + 1  # this group's launch number
+        group = await super().rollout_group(task, group_id, resume)
+        if self.untrainable:
+            members = []
+            for t in group:
+                bare = Trajectory.start(t.id, t.group_id, t.task_id, [1, 2])
+                bare.finish(
+                    Status.TRUNCATED,
+                    reason="context budget exhausted",
+                    reward=0.0,
+                    completed_version=t.completed_version,
+                    completed_at=1.0,
+                )
+                members.append(bare)
+            return members
+        if number in self.finishing:
+            return group
+        self.last_failure = "engine failed: cannot connect to the server\n(gave up after 3 attempts)"
+        return []
+
+
+def make_run(
+    tmp_path: Path,
+    filter_config: FilterConfig,
+    learner: FakeLearner,
+    driver: type[FakeDriver] | Any = FakeDriver,
+    **loop: Any,
+) -> Run:
     engine = FakeEngine()
     return Run(
         learner=learner,  # type: ignore[arg-type]
         engine=engine,  # type: ignore[arg-type]
-        driver=FakeDriver(engine),  # type: ignore[arg-type]
+        driver=driver(engine),  # type: ignore[arg-type]
         tasks=[Task(id=f"t{i}", question=f"q{i}", answers=("1",)) for i in range(5)],
         pool=TrajectoryPool(filter_config),
         config=LoopConfig(
-            mode="async", steps=STEPS, batch_groups=BATCH_GROUPS, **{"sync_interval": 1, **loop}
+            steps=STEPS, batch_groups=BATCH_GROUPS, **{"sync_interval": 1, "mode": "async", **loop}
         ),
         run_dir=tmp_path,
     )
 
 
-async def run_bounded(run: Run) -> dict[str, Any]:
-    """`train_async(run)`, failing the test (with the loop's state) if it does not end within HANG_S.
+async def run_bounded(
+    run: Run, loop: Callable[[Run], Awaitable[dict[str, Any]]] = train_async
+) -> dict[str, Any]:
+    """`loop(run)`, failing the test (with the loop's state) if it does not end within HANG_S.
     A hung loop is asked to stop (`request_stop`, which the waiting trainer honours) rather than only
     cancelled: a loop spinning on rejections can lose a cancellation in a nested `wait_for`."""
-    job = asyncio.ensure_future(train_async(run))
+    job = asyncio.ensure_future(loop(run))
     try:
         done, _ = await asyncio.wait({job}, timeout=HANG_S)
         if not done:
@@ -243,3 +287,71 @@ async def test_max_age_below_the_publication_lag_ends_the_run_with_one_line(
     updated_at = len(skips) + 1  # the first step that updates
     assert message.startswith(f"no batch can ever form at step {updated_at + 1}:")
     assert run.step == learner.calls == updated_at and learner.version == 1
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+async def test_rollouts_that_keep_failing_end_the_run_with_one_line(tmp_path: Path, mode: str) -> None:
+    """A dead engine: every group fails. The run stops once `max_failed_groups` (5) failed in a row,
+    with one line naming the last failure, and keeps what it had (a checkpoint) instead of relaunching
+    groups for ever."""
+    learner = FakeLearner()
+    run = make_run(tmp_path, filter_config("pace", 0), learner, FailingDriver, mode=mode, max_failed_groups=5)
+    with pytest.raises(RunFailedError) as raised:
+        await run_bounded(run, train_sync if mode == "sync" else train_async)
+    message = str(raised.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith("rollouts keep failing: 5 groups in a row failed and none finished")
+    assert message.endswith("engine failed: cannot connect to the server (gave up after 3 attempts)")
+    # bounded: the groups that failed in a row, plus at most what was in flight when the 5th came back
+    launched = len(run.driver.launched)  # type: ignore[attr-defined]
+    assert 5 <= launched <= 5 + (4 if mode == "async" else BATCH_GROUPS)
+    assert learner.calls == (2 if mode == "sync" else 0)  # sync trained its two empty batches
+    assert latest_checkpoint(tmp_path / "checkpoints") is not None
+
+
+async def test_failures_that_are_not_in_a_row_do_not_stop_the_run(tmp_path: Path) -> None:
+    """The first four groups fail, then three of every four: a finishing group resets the count, so
+    never 5 fail in a row."""
+    learner = FakeLearner()
+    finishing = set(range(5, 400, 4))
+
+    def driver(engine: FakeEngine) -> FailingDriver:
+        return FailingDriver(engine, finishing=finishing)
+
+    run = make_run(tmp_path, filter_config("none", 0), learner, driver, max_failed_groups=5)
+    summary = await run_bounded(run)
+    assert summary["step"] == STEPS and summary["dropped_groups"] >= 3 * STEPS * BATCH_GROUPS
+    assert run.trained_nothing() is None
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+async def test_batches_with_nothing_to_train_on_end_the_run_with_one_line(tmp_path: Path, mode: str) -> None:
+    """Every episode ends before its first token (a context budget below the prompt): after
+    `max_untrainable_batches` (3) such batches the run stops, naming how the episodes ended."""
+    learner = FakeLearner(skips=range(1, STEPS + 1))
+
+    def driver(engine: FakeEngine) -> FailingDriver:
+        return FailingDriver(engine, untrainable=True)
+
+    run = make_run(tmp_path, filter_config("pace", 0), learner, driver, mode=mode)
+    with pytest.raises(RunFailedError) as raised:
+        await run_bounded(run, train_sync if mode == "sync" else train_async)
+    message = str(raised.value)
+    assert len(message.splitlines()) == 1 and learner.calls == 3 and run.step == 3
+    assert message.startswith("nothing to train on: 3 batches in a row held no episode that ended with a")
+    assert message.endswith("truncated: context budget exhausted, no model token ×4")
+
+
+async def test_a_run_whose_every_step_was_skipped_says_it_trained_nothing(tmp_path: Path) -> None:
+    learner = FakeLearner(skips=range(1, STEPS + 1))
+    learner.counts["zero_advantage"] = 7  # what the learner counted on the way
+    run = make_run(tmp_path, filter_config("none", 0), learner)
+    summary = await run_bounded(run)
+    assert (summary["steps_run"], summary["updated_steps"]) == (STEPS, 0)
+    assert run.trained_nothing() == (
+        f"trained nothing: all {STEPS} steps were skipped (zero_advantage ×7, equal_rewards ×{STEPS}), "
+        "the policy is still version 0"
+    )
+    once = make_run(tmp_path / "once", filter_config("none", 0), FakeLearner(skips=range(2, STEPS + 1)))
+    await run_bounded(once)
+    assert once.trained_nothing() is None and once.updated_steps == 1
