@@ -10,6 +10,7 @@ import asyncio
 import base64
 import hashlib
 import logging
+import resource
 import signal
 import subprocess
 import sys
@@ -819,7 +820,10 @@ def test_the_open_file_limit_is_raised_or_the_connection_cap_lowered() -> None:
 
     assert open_files_needed(50) == 50 + 2 * 50 + 256 and open_files_needed(2048) == 3 * 2048 + 256
     assert fits(512, 512) == [50, (512 - 256) // 3, 512]
-    assert fits(1024, 8192) == [50, 2048, 3 * 2048 + 256]
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # a child may not raise it
+    hard = 8192 if hard == resource.RLIM_INFINITY else hard
+    assert hard >= 3 * 2048 + 256, f"this test needs a hard limit of {3 * 2048 + 256} open files"
+    assert fits(1024, hard) == [50, 2048, 3 * 2048 + 256]
 
 
 def test_accept_failures_are_logged_once_a_minute() -> None:
