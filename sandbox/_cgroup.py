@@ -31,6 +31,8 @@ from pathlib import Path
 from secrets import token_hex
 from typing import TypeVar
 
+from sandbox._watchdog import end_cgroup
+
 T = TypeVar("T")
 
 CONTROLLERS = ("memory", "cpuacct", "pids")
@@ -132,14 +134,27 @@ class CgroupTree:
                             child.rmdir()
 
     def sweep_dead_owners(self) -> None:
-        """Remove the folders (and empty sandbox cgroups) of host processes that died without
-        cleaning up (SIGKILL, OOM): their sandboxes died with them."""
+        """End what is left of the sandboxes of host processes that died without cleaning up (SIGKILL,
+        OOM) and whose watchdog did not (it was killed too), and remove their folders."""
         for controller, folder in self.folders.items():
             for other in folder.parent.glob("pacerl-*-*"):
                 owner = other.name.split("-")[1]
                 if other == folder or not owner.isdigit() or Path(f"/proc/{owner}").exists():
                     continue
-                CgroupTree({controller: other}).remove()
+                dead = CgroupTree({controller: other})
+                dead.kill_all()
+                dead.remove()
+
+    def kill_all(self) -> bool:
+        """Thaw and SIGKILL every process of every sandbox cgroup of this tree (never this process,
+        whose spawner thread may be in one); True if any was still there."""
+        held = False
+        for folder in self.folders.values():
+            with contextlib.suppress(OSError):
+                for cgroup in folder.iterdir():
+                    if cgroup.is_dir():
+                        held = end_cgroup(cgroup, os.getpid()) or held
+        return held
 
     def remove(self) -> None:
         """Remove this tree once its sandboxes are gone (empty cgroups first, then the folders)."""
@@ -236,6 +251,11 @@ class SandboxCgroup:
         with contextlib.suppress(OSError, ValueError):
             return parse_oom_kills(self._read("memory", "memory.oom_control").decode())
         return 0
+
+    def kill_processes(self) -> None:
+        """Thaw the sandbox and SIGKILL every process in it (but this one's spawner thread): whatever
+        started, also what no pid the host knows of names (a bubblewrap child whose parent died)."""
+        end_cgroup(self.paths["freezer" if self.can_freeze else "pids"], os.getpid())
 
     def remove(self) -> None:
         """Remove the cgroups; one still holding exiting processes is left to `CgroupTree.sweep`."""

@@ -15,7 +15,8 @@ executing stay as they were, and /dev/stdin, pipes and memfds still open (their 
 
 The launcher is a zygote in both modes: each process it forks (a run's process, an episode's
 interpreter) restricts itself first thing; the zygote, which runs no code of the user's, keeps /proc
-for its own checks.
+for its own checks. A fresh interpreter such a process execs (`fresh_interpreter`) keeps the
+restriction, and so do the processes it forks.
 
 Where Landlock is unavailable no code runs: the zygote writes `HIDE_PROC_FAILED` and the reason on
 stderr and exits with `HIDE_PROC_EXIT` before it says it is ready (a forked process that fails to
@@ -121,5 +122,7 @@ def hide_proc() -> None:
     os.register_at_fork(before=before_fork, after_in_child=in_child)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1] not in ("run", "repl"):
+    # An exec'd run or episode interpreter (modes run, repl) is restricted already: Landlock's
+    # restriction outlives exec, and its forks need no second one.
     hide_proc()

@@ -338,6 +338,14 @@ IOPRIO_WHO_PROCESS = 1
 RESET_DEADLINE_S = 1.5
 READY_FRAME_CAP = 64
 HEADER_DIGITS = 12
+RESET_BUDGET = {"inodes": 1024, "bytes": 64 << 20, "ipc": 64}
+"""The most a run or episode may leave for its sandbox's reset to undo: files and directories on the
+wiped tmpfs mounts, their bytes, System V objects. Undoing that much takes a few milliseconds; a run
+that leaves more has its sandbox discarded instead (its mounts go with it, in the kernel), so no reset
+that long is paid by the next run, and none runs unbounded on no run's CPU budget."""
+IPC_INFO_CALLS = (("shmctl", 14, 0), ("msgctl", 12, 0), ("semctl", 19, 7))
+"""(libc call, its *_INFO command, which int of the answer counts the objects in use): SHM_INFO's
+used_ids, MSG_INFO's msgpool and SEM_INFO's semusz, read in O(1) whatever the number of objects."""
 
 
 class ProtocolViolationError(Exception):
@@ -389,8 +397,9 @@ def dev_entries() -> dict[str, tuple[int, int]]:
 
 def sockets() -> list[str]:
     """The socket counters of the sandbox's network namespace: every socket of any family
-    (`sockets: used`, unix, netlink and packet ones included), and TCP's orphans and TIME_WAIT
-    sockets, which outlive their processes. The counters, not the tables: listing /proc/net/udp or
+    (`sockets: used`, unix, netlink and packet ones included), and TCP's sockets in use (an orphan,
+    closed by its process but not done with its peer, is still one) and TIME_WAIT sockets, which
+    outlive their processes. The counters, not the tables: listing /proc/net/udp or
     tcp walks the host's whole hash table (tens of microseconds a table), and the count of a namespace's
     sockets already covers every row those tables could show."""
     rows = []
@@ -400,8 +409,9 @@ def sockets() -> list[str]:
                 kind, _, counters = line.partition(":")
                 fields = counters.split()
                 pairs = dict(zip(fields[::2], fields[1::2], strict=False))
-                # alloc and mem are host-wide, the others this namespace's
-                keys = {"sockets": ("used",), "TCP": ("inuse", "orphan", "tw"), "TCP6": ("inuse",)}
+                # alloc, mem and TCP's orphan count are host-wide (another process's connection moves
+                # them), the others this namespace's
+                keys = {"sockets": ("used",), "TCP": ("inuse", "tw"), "TCP6": ("inuse",)}
                 rows.append(
                     f"{kind}: " + " ".join(f"{key} {pairs.get(key)}" for key in keys.get(kind, ("inuse",)))
                 )
@@ -416,6 +426,50 @@ def network_counters() -> list[bytes]:
         with contextlib.suppress(FileNotFoundError), open(f"/proc/net/{table}", "rb") as handle:
             counters.append(handle.read())
     return counters
+
+
+def autogroup_nice() -> str:
+    """The nice value of this process's autogroup (the CPU weight of every process of its session)."""
+    try:
+        with open("/proc/self/autogroup") as handle:
+            return handle.read().split()[-1]
+    except OSError:
+        return "-"  # no autogroups in this kernel (or no /proc): nothing to hand on either
+
+
+def usage(paths: list[str]) -> tuple[int, int]:
+    """(inodes, bytes) in use on the file systems of `paths` (statvfs: O(1), whatever they hold)."""
+    inodes = used = 0
+    for path in paths:
+        stats = os.statvfs(path)
+        inodes += stats.f_files - stats.f_ffree
+        used += (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+    return inodes, used
+
+
+def ipc_objects(lib: Any) -> int:
+    """System V shared memory segments, message queues and semaphore sets of the IPC namespace."""
+    import ctypes
+
+    info = ctypes.create_string_buffer(256)
+    count = 0
+    for call, command, field in IPC_INFO_CALLS:
+        args = (0, 0, command, info) if call == "semctl" else (0, command, info)
+        if getattr(lib, call)(*args) >= 0:
+            count += int.from_bytes(info.raw[4 * field : 4 * field + 4], sys.byteorder)
+    return count
+
+
+def over_budget(clean: Job, lib: Any) -> str | None:
+    """What the run or episode left past `RESET_BUDGET` (its processes already gone), else None."""
+    inodes, used = usage(list(clean["wiped"]))
+    left = {
+        "inodes": inodes - clean["usage"][0],
+        "bytes": used - clean["usage"][1],
+        "ipc": ipc_objects(lib),
+    }
+    over = [f"{left[key]} {key}" for key, most in RESET_BUDGET.items() if left[key] > most]
+    return f"left more than a reset undoes: {', '.join(over)}" if over else None
 
 
 RLIMITS = tuple(name for name in dir(resource) if name.startswith("RLIMIT_"))
@@ -434,8 +488,10 @@ def snapshot(lib: Any) -> Job:
             for path in ("/dev", "/dev/pts", "/dev/mqueue")
             if path not in wiped and os.path.isdir(path)
         },
+        "usage": usage(wiped),
         "rlimits": {name: resource.getrlimit(getattr(resource, name)) for name in RLIMITS},
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "autogroup": autogroup_nice(),
         "ioprio": syscall(lib, SYS_IOPRIO_GET, IOPRIO_WHO_PROCESS, 0),
         "scheduler": os.sched_getscheduler(0),
         "affinity": os.sched_getaffinity(0),
@@ -495,6 +551,9 @@ def remove_ipc(lib: Any) -> None:
 def reset(clean: Job, lib: Any) -> None:
     """Make the sandbox as it was before the first episode, or raise (then the host discards it)."""
     kill_all()  # first: nothing may run while we clean
+    over = over_budget(clean, lib)
+    if over is not None:
+        raise RuntimeError(f"the episode {over}")
     remove_ipc(lib)
     forget_keyrings(lib)
     for path, state in clean["wiped"].items():
@@ -526,7 +585,17 @@ def reset(clean: Job, lib: Any) -> None:
     # are gone and counts its traffic: none of that can be undone from here, so refuse to go on rather
     # than hand it on.
     now = snapshot(lib)
-    for key in ("fixed", "rlimits", "nice", "ioprio", "scheduler", "affinity", "sockets", "network"):
+    for key in (
+        "fixed",
+        "rlimits",
+        "nice",
+        "autogroup",
+        "ioprio",
+        "scheduler",
+        "affinity",
+        "sockets",
+        "network",
+    ):
         if now[key] != clean[key]:
             raise RuntimeError(f"the sandbox's {key} changed")
 
@@ -539,9 +608,37 @@ def reap_children(signum: int, frame: object) -> None:
             pass
 
 
-def fork_repl(limits: Job, host_fds: tuple[int, int], lib: Any) -> tuple[int, int, int]:
-    """Fork one episode's interpreter; returns the zygote's ends of its pipes (to it, from it) and
-    a pidfd of it."""
+def start_fresh(lib: Any) -> None:
+    """What a forked run or episode process does first, so that it starts as a new sandbox's would."""
+    # A session of its own, so an autogroup of its own: the kernel shares an autogroup's nice value
+    # (/proc/self/autogroup) among every process of a session, and the zygote's session outlives runs.
+    os.setsid()
+    # The zygote is non-dumpable; the run's own process must not be (or its /proc/self files turn
+    # root-owned and unreadable to it).
+    lib.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    syscall(lib, SYS_KEYCTL, KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh keyring, dies with the process
+
+
+def own_command() -> list[str]:
+    """This interpreter's command line up to its program (`python -I -c SOURCE`): what a fresh
+    interpreter of a run or an episode is started with."""
+    with open("/proc/self/cmdline", "rb") as handle:
+        argv = handle.read().split(b"\0")
+    return [os.fsdecode(arg) for arg in argv[: argv.index(b"-c") + 2]]
+
+
+def exec_fresh(command: list[str], mode: str, config: str, *fds: int) -> None:
+    """Become a new interpreter running this launcher in `mode` (`run`, `repl`), handing it `fds`."""
+    for fd in fds:
+        os.set_inheritable(fd, True)
+    os.execv(command[0], [*command, mode, config, *map(str, fds)])
+
+
+def fork_repl(
+    limits: Job, host_fds: tuple[int, int], lib: Any, fresh: list[str] | None
+) -> tuple[int, int, int]:
+    """Fork one episode's interpreter (which execs `fresh`, a new one, when given); returns the
+    zygote's ends of its pipes (to it, from it) and a pidfd of it."""
     request_read, request_write = os.pipe()
     reply_read, reply_write = os.pipe()
     # Until the pidfd is open, the child must not be reaped by `reap_children` (its pid could be reused).
@@ -554,10 +651,9 @@ def fork_repl(limits: Job, host_fds: tuple[int, int], lib: Any) -> tuple[int, in
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
             for fd in (*host_fds, request_write, reply_read):
                 os.close(fd)
-            # The zygote is non-dumpable; the episode's own process must not be (or its /proc/self
-            # files turn root-owned and unreadable to it).
-            lib.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
-            syscall(lib, SYS_KEYCTL, KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh keyring, dies with the episode
+            start_fresh(lib)
+            if fresh is not None:  # a new interpreter: a hash secret and an address layout of its own
+                exec_fresh(fresh, "repl", json.dumps(limits), request_read, reply_write)
             repl(limits, request_read, reply_write)
             status = 0
         finally:
@@ -647,10 +743,13 @@ def relay_reply(source: int, target: int, pidfd: int, cap: int) -> None:
     pass_on(target, header, start, extra, size, source, pidfd)
 
 
-def session(limits: Job, status_fd: int) -> None:
+def session(config: Job, status_fd: int) -> None:
     """The zygote: runs no user code itself, forks one interpreter per episode, relays its frames,
     and on `reset` kills the episode's processes and wipes what it could have changed. Any failure to
-    restore a clean state exits: a sandbox is reused only when the reset fully succeeded."""
+    restore a clean state exits: a sandbox is reused only when the reset fully succeeded.
+    `config`: the episodes' `limits`, and whether each gets a `fresh` interpreter (exec'd)."""
+    limits = config["limits"]
+    fresh = own_command() if config["fresh"] else None
     lib = libc()
     if lib.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError("prctl(PR_SET_DUMPABLE) failed")
@@ -661,7 +760,7 @@ def session(limits: Job, status_fd: int) -> None:
     host_in, host_out, clean = take_host_pipes(status_fd, lib)
     status = 0
     try:
-        to_repl, from_repl, pidfd = fork_repl(limits, (host_in, host_out), lib)
+        to_repl, from_repl, pidfd = fork_repl(limits, (host_in, host_out), lib, fresh)
         relay_reply(from_repl, host_out, pidfd, READY_FRAME_CAP)
         while True:
             try:
@@ -674,7 +773,7 @@ def session(limits: Job, status_fd: int) -> None:
                 for fd in (to_repl, from_repl, pidfd):
                     os.close(fd)
                 reset(clean, lib)
-                to_repl, from_repl, pidfd = fork_repl(limits, (host_in, host_out), lib)
+                to_repl, from_repl, pidfd = fork_repl(limits, (host_in, host_out), lib, fresh)
                 relay_reply(from_repl, host_out, pidfd, READY_FRAME_CAP)
                 continue
             size, cap = (int(field) for field in header.split())
@@ -719,8 +818,9 @@ class Run:
         self.pid, self.job, self.out, self.err, self.status = pid, job, out, err, status
 
 
-def fork_run(lib: Any) -> Run:
-    """Fork the next run's process; it waits for its job (the modules it needs are loaded)."""
+def fork_run(lib: Any, fresh: list[str] | None, preload: tuple[str, ...]) -> Run:
+    """Fork the next run's process; it waits for its job (the modules it needs are loaded), or first
+    execs `fresh`, a new interpreter that loads them itself."""
     job_read, job_write = os.pipe()
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
@@ -738,17 +838,12 @@ def fork_run(lib: Any) -> Run:
             os.closerange(3, low)
             os.closerange(low + 1, high)
             os.closerange(high + 1, 1 << 20)
-            # The zygote is non-dumpable; the run's own process must not be (or its /proc/self files
-            # turn root-owned and unreadable to it).
-            lib.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
-            syscall(lib, SYS_KEYCTL, KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh keyring, dies with the run
+            start_fresh(lib)
             # POSIX message queues outlive the run in the IPC namespace and cannot be listed: none.
             resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
-            job = read_frame(job_read)
-            if job is None:
-                os._exit(0)  # the zygote is ending
-            os.close(job_read)
-            run_job(job, status_write)
+            if fresh is not None:  # a new interpreter: a hash secret and an address layout of its own
+                exec_fresh(fresh, "run", json.dumps(preload), job_read, status_write)
+            serve_job(job_read, status_write)
         except BaseException:
             traceback.print_exc()
         finally:
@@ -757,6 +852,15 @@ def fork_run(lib: Any) -> Run:
         os.close(fd)
     os.set_blocking(status_read, False)
     return Run(pid, job_write, out_read, err_read, status_read)
+
+
+def serve_job(job_read: int, status_write: int) -> None:
+    """Wait for the run's job and become its program; exit quietly if the zygote ends first."""
+    job = read_frame(job_read)
+    if job is None:
+        os._exit(0)
+    os.close(job_read)
+    run_job(job, status_write)
 
 
 def pending_bytes(fd: int) -> int:
@@ -790,9 +894,19 @@ def reap_run(pid: int) -> int | None:
     return code
 
 
-def serve_run(run: Run, job_header: tuple[bytes, int, int], host_in: int, host_out: int, wake: int) -> None:
+def serve_run(
+    run: Run,
+    job_header: tuple[bytes, int, int],
+    host_in: int,
+    host_out: int,
+    wake: int,
+    clean: Job | None,
+    lib: Any,
+) -> bool:
     """Hand the job to the run's process, relay its output until it exits, end every other process of
-    the sandbox, relay what is left, and send the exit frame."""
+    the sandbox, relay what is left, and send the exit frame. True if the sandbox may then be reset
+    (`clean`: its snapshot, None where it is never reset); False if the run left more than a reset
+    may cost (the frame says so, and the host discards the sandbox)."""
     import select
 
     header, start, extra = job_header
@@ -821,12 +935,18 @@ def serve_run(run: Run, job_header: tuple[bytes, int, int], host_in: int, host_o
     except BlockingIOError:
         started = False
     os.close(run.status)
-    write_all(host_out, b"x %d %d\n" % (code, started))
+    resettable = clean is not None and over_budget(clean, lib) is None
+    write_all(host_out, b"x %d %d %d\n" % (code, started, resettable))
+    return resettable
 
 
-def oneshot_zygote(status_fd: int, preload: tuple[str, ...]) -> None:
+def oneshot_zygote(status_fd: int, config: Job) -> None:
     """The one-shot zygote: serves runs one after another, each in a fresh process forked from it, and
-    resets the sandbox after each. Anything it cannot restore ends the sandbox (`!reason`, exit)."""
+    resets the sandbox after each. Anything it cannot restore ends the sandbox (`!reason`, exit), and
+    so does a run that left more than a reset may undo. `config`: the modules to `preload`, and
+    whether each run gets a `fresh` interpreter (exec'd by its forked process)."""
+    preload = tuple(config["preload"])
+    fresh = own_command() if config["fresh"] else None
     lib = libc()
     if lib.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError("prctl(PR_SET_DUMPABLE) failed")
@@ -849,7 +969,7 @@ def oneshot_zygote(status_fd: int, preload: tuple[str, ...]) -> None:
     status = 0
     try:
         while True:
-            run = fork_run(lib)
+            run = fork_run(lib, fresh, preload)
             write_all(host_out, b"r\n")
             try:
                 header = read_header(host_in, None)
@@ -857,8 +977,7 @@ def oneshot_zygote(status_fd: int, preload: tuple[str, ...]) -> None:
                 break  # the host discarded this sandbox
             if not header[0].isdigit() or len(header[0]) > HEADER_DIGITS:
                 raise RuntimeError("a malformed job header from the host")
-            serve_run(run, header, host_in, host_out, wake_read)
-            if not recyclable:
+            if not serve_run(run, header, host_in, host_out, wake_read, clean if recyclable else None, lib):
                 break
             reset(clean, lib)
     except BaseException as error:
@@ -982,6 +1101,14 @@ def setup_root(spec: Job) -> None:
     mount(None, new + "/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
     os.mkdir(new + "/proc")
     mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # As bubblewrap's binds do: PID 1 (this process, the zygote to be) must not show the runs' costs
+    # to later runs, nor /proc the host's block devices; /dev/null on a nodev mount cannot be opened.
+    sealed = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+    for path in spec["masked_files"]:
+        mount("/dev/null", new + path, None, MS_BIND)
+        mount(None, new + path, None, sealed)
+    for path in spec["masked_dirs"]:
+        mount("tmpfs", new + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
     for path in (spec["work"], "/tmp"):
         os.makedirs(new + path, exist_ok=True)
         mount("tmpfs", new + path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=700,uid={uid},gid={uid}")
@@ -1018,14 +1145,30 @@ def close_inherited_fds(keep: int) -> None:
         os.closerange(3, 1 << 20)
 
 
+def fresh_run(preload: list[str], job_read: int, status_write: int) -> None:
+    """A run's fresh interpreter (exec'd by its forked process): load what a forked run would find
+    loaded, then serve the job as a forked run does."""
+    for name in preload:
+        __import__(name)
+    serve_job(job_read, status_write)
+
+
 if __name__ == "__main__":
-    # argv: MODE STATUS_FD LIMITS_JSON|PRELOAD_JSON [ROOT_SPEC_JSON]. STATUS_FD is -1 where the host needs
-    # no start signal; the third argument is a session's limits, or the modules a one-shot zygote
-    # imports; ROOT_SPEC_JSON is given only by the `unshare` fallback (bubblewrap builds the root itself).
-    close_inherited_fds(int(sys.argv[2]))
-    if len(sys.argv) > 4:
-        setup_root(json.loads(sys.argv[4]))
-    if sys.argv[1] == "session":
-        session(json.loads(sys.argv[3]), int(sys.argv[2]))
+    mode = sys.argv[1]
+    if mode == "run":  # argv: run PRELOAD_JSON JOB_FD STATUS_FD (exec'd by a run's forked process)
+        fresh_run(json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    elif mode == "repl":  # argv: repl LIMITS_JSON REQUEST_FD REPLY_FD (exec'd by an episode's process)
+        repl(json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        os._exit(0)
     else:
-        oneshot_zygote(int(sys.argv[2]), tuple(json.loads(sys.argv[3])))
+        # argv: MODE STATUS_FD CONFIG_JSON [ROOT_SPEC_JSON]. STATUS_FD is -1 where the host needs no
+        # start signal; CONFIG_JSON is the zygote's (a session's limits, or the modules a one-shot
+        # zygote imports, and whether runs get fresh interpreters); ROOT_SPEC_JSON is given only by the
+        # `unshare` fallback (bubblewrap builds the root itself).
+        close_inherited_fds(int(sys.argv[2]))
+        if len(sys.argv) > 4:
+            setup_root(json.loads(sys.argv[4]))
+        if mode == "session":
+            session(json.loads(sys.argv[3]), int(sys.argv[2]))
+        else:
+            oneshot_zygote(int(sys.argv[2]), json.loads(sys.argv[3]))

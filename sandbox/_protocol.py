@@ -37,6 +37,21 @@ PRELOAD = (
 )
 """Standard-library modules a one-shot sandbox's zygote imports by default, so that the runs forked
 from it find them loaded (`LocalOptions.preload`, `DockerOptions.preload`)."""
+MASKED_FILES = (
+    *(
+        f"/proc/1/{name}"
+        for name in ("stat", "statm", "status", "sched", "schedstat", "wchan", "oom_score", "io")
+    ),
+    "/proc/partitions",
+    "/proc/diskstats",
+    "/proc/swaps",
+)
+"""Files of /proc covered in every sandbox (by /dev/null, which a sandbox cannot open). PID 1 is the
+zygote that served every earlier run of the sandbox: these show its CPU time and page faults, and
+those of every run it reaped, its wake-ups and memory; the others name the host's block devices."""
+MASKED_DIRS = ("/proc/1/task", "/proc/fs")
+"""Folders of /proc covered by an empty read-only tmpfs: PID 1's thread (the same files again), and
+the file systems' folders named after the host's block devices (/proc/fs/ext4/vda)."""
 WORK_DIR = "/work"
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 """The whole environment of sandboxed code."""
@@ -58,6 +73,18 @@ _REPLY_KINDS = ("ok", "error", "timeout", "memory")
 class SandboxProtocolError(Exception):
     """A sandbox answered with something that is not a well-formed reply: the sandbox is ended (never
     reused) and the call reports `sandbox_error`. Everything from a sandbox is untrusted input."""
+
+
+def oneshot_config(preload: tuple[str, ...], fresh: bool) -> str:
+    """A one-shot zygote's configuration: the modules it imports, and whether each run's forked
+    process execs a fresh interpreter (which imports them again)."""
+    return json.dumps({"preload": list(preload), "fresh": fresh})
+
+
+def session_config(limits: Limits, fresh: bool) -> str:
+    """A session zygote's configuration: its episodes' limits, and whether each episode's forked
+    process execs a fresh interpreter."""
+    return json.dumps({"limits": limits.to_wire(), "fresh": fresh})
 
 
 def reply_cap(limits: Limits) -> int:
@@ -147,8 +174,10 @@ class ZygoteFrames:
         self._run: tuple[OutputCapture, OutputCapture] | None = None
         self.ready = False
         """The zygote waits for a job (set by `r`, cleared by `begin`)."""
-        self.exit: tuple[int, bool] | None = None
-        """(exit code or minus a signal, whether the run reached the user's code) once it is over."""
+        self.exit: tuple[int, bool, bool] | None = None
+        """(exit code or minus a signal, whether the run reached the user's code, whether the zygote
+        resets the sandbox after it) once the run is over. A zygote that will not reset it (the run
+        left more than a reset may undo) ends after the frame."""
         self.failure: str | None = None
         """Why the zygote gave up (its `!reason` line)."""
 
@@ -189,10 +218,15 @@ class ZygoteFrames:
             assert self._run is not None
             self._target, self._left = self._run[int(kind) - 1], int(rest)
         elif kind == b"x" and running:
-            code, _, started = rest.partition(b" ")
-            if not code.lstrip(b"-").isdigit() or len(code) > 12 or started not in (b"0", b"1"):
+            fields = rest.split(b" ")
+            if (
+                len(fields) != 3
+                or not fields[0].lstrip(b"-").isdigit()
+                or len(fields[0]) > 12
+                or not {fields[1], fields[2]} <= {b"0", b"1"}
+            ):
                 raise SandboxProtocolError(f"a malformed exit frame {header[:40]!r} from the sandbox")
-            self.exit = (int(code), started == b"1")
+            self.exit = (int(fields[0]), fields[1] == b"1", fields[2] == b"1")
         else:
             raise SandboxProtocolError(f"an unexpected frame {header[:40]!r} from the sandbox")
 

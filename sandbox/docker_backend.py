@@ -30,6 +30,7 @@ call after the daemon returns reconnects and rebuilds the pool.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -58,6 +59,8 @@ from sandbox._hide_proc import HIDE_PROC_EXIT, HIDE_PROC_FAILED
 from sandbox._protocol import (
     DIED_NOTICE,
     LAUNCHER_SOURCE,
+    MASKED_DIRS,
+    MASKED_FILES,
     PRELOAD,
     READY_CAP,
     RESTART_NOTICE,
@@ -70,7 +73,9 @@ from sandbox._protocol import (
     decode_ready,
     decode_reply,
     frame_size,
+    oneshot_config,
     reply_cap,
+    session_config,
     session_message,
     session_result,
 )
@@ -99,6 +104,22 @@ _STREAM_CHUNK = 65536
 _MAX_RUNS = 256
 """One-shot runs one container serves before it is replaced (bounds what a slow leak could accumulate)."""
 _RESET_TIMEOUT_S = 2.0
+_DOCKER_MASKED_PATHS = (
+    "/proc/asound",
+    "/proc/acpi",
+    "/proc/interrupts",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+)
+"""What Docker masks in every container by default (its releases differ by a path or two: these are
+all of them); a container that names its own `MaskedPaths` gets those alone."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +138,10 @@ class DockerOptions:
     runs starts this many, and the next burst finds them ready."""
     preload: tuple[str, ...] = PRELOAD
     """Modules a one-shot container's zygote imports, so that the runs forked from it find them loaded."""
+    fresh_interpreter: bool = False
+    """Give each one-shot run an interpreter of its own, exec'd by its forked process (its own string-
+    hash secret and address-space layout, at the cost of an interpreter start per run); as
+    `LocalOptions.fresh_interpreter`. Sessions have a container, so an interpreter, of their own."""
     max_concurrency: int = 16
     """Runs and session calls executing at once; more wait their turn."""
     base_url: str | None = None
@@ -179,7 +204,7 @@ class _Shape:
         # RLIMIT_AS stops one process at memory_mb; the cgroup holds every process of the container
         # together, tmpfs and /dev/shm pages included, to the same figure.
         memory = f"{self.memory_mb}m"
-        return api.create_host_config(
+        config = api.create_host_config(
             network_mode="none",
             read_only=True,
             tmpfs={
@@ -187,9 +212,11 @@ class _Shape:
                 "/tmp": tmpfs,
                 # As Docker's own /dev/shm (noexec, the same size), but owned by the container's user.
                 "/dev/shm": tmpfs.replace(",exec,", ",noexec,"),
-                # The container's cgroup files count the CPU time and peak memory of every run it
-                # served: the code sees none (as in a local sandbox, which has no /sys at all).
-                "/sys/fs/cgroup": "ro,nosuid,nodev,noexec,size=4k,mode=555",
+                # sysfs names the host's block devices (/sys/block), and the container's cgroup files
+                # count the CPU time and peak memory of every run it served: the code sees none of
+                # it (as in a local sandbox, which has no /sys at all). Docker then mounts no cgroup
+                # file system either.
+                "/sys": "ro,nosuid,nodev,noexec,size=4k,mode=555",
             },
             mem_limit=memory,
             memswap_limit=memory,
@@ -199,6 +226,9 @@ class _Shape:
             security_opt=["no-new-privileges"],
             log_config=LogConfig(type="none"),
         )
+        # Docker's own masked paths, and the sandboxes' (the API takes one list, which replaces Docker's).
+        config["MaskedPaths"] = [*_DOCKER_MASKED_PATHS, *MASKED_FILES, *MASKED_DIRS]
+        return config
 
 
 class _ExecStream:
@@ -350,6 +380,9 @@ class DockerBackend:
         self._resets: set[asyncio.Task[None]] = set()
         self.recycled = 0
         """Containers reset and returned to the warm pool after a run (a counter, for tests)."""
+        self.discards: collections.Counter[str] = collections.Counter()
+        """Containers removed after a run that ended by itself, by reason: `litter` (the run left more
+        than a reset may undo, `RESET_BUDGET` in sandbox/_launcher.py). A counter, for tests."""
         self._removing: set[asyncio.Task[None]] = set()
         self._sessions: set[DockerSession] = set()
         self._created_any = False
@@ -402,7 +435,7 @@ class DockerBackend:
         command = list(IDLE_COMMAND)
         if zygote:
             command = [self.options.python, "-I", "-c", self._launcher, "oneshot", "-1"]
-            command.append(json.dumps(self.options.preload))
+            command.append(oneshot_config(self.options.preload, self.options.fresh_interpreter))
         config = {
             "command": command,
             "user": user,
@@ -803,8 +836,13 @@ class DockerBackend:
             failure = pump.exception()
         ended = not pump.cancelled() and failure is None and not pump.result()
         if frames.exit is not None and not over():
-            code, reached = frames.exit
-            return await self._exited(box, code, reached, out, err, time.monotonic() - started, oom_start)
+            code, reached, resettable = frames.exit
+            result, ended_itself = await self._exited(
+                box, code, reached, out, err, time.monotonic() - started, oom_start
+            )
+            if ended_itself and not resettable:
+                self.discards["litter"] += 1
+            return result, ended_itself and resettable
         # Ended from here (or dead): the container goes.
         killed = await self._kill(box)
         duration = time.monotonic() - started
@@ -981,7 +1019,7 @@ class DockerSession:
     async def start(self) -> None:
         self._stdout, self._stderr = bytearray(), OutputCapture(4096)
         self._box = await self._backend._start_box(
-            _Shape.of(self.limits), "session", "-1", json.dumps(self.limits.to_wire())
+            _Shape.of(self.limits), "session", "-1", session_config(self.limits, False)
         )
         try:
             decode_ready(await asyncio.wait_for(self._read_frame(READY_CAP), 30))

@@ -26,6 +26,7 @@ one interpreter per episode and resets the sandbox at the session's close.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -36,10 +37,13 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +62,8 @@ from sandbox._proc import Child, spawn
 from sandbox._protocol import (
     DIED_NOTICE,
     LAUNCHER_SOURCE,
+    MASKED_DIRS,
+    MASKED_FILES,
     PRELOAD,
     READY_CAP,
     RESET_MESSAGE,
@@ -71,7 +77,9 @@ from sandbox._protocol import (
     decode_ready,
     decode_reply,
     frame_size,
+    oneshot_config,
     reply_cap,
+    session_config,
     session_message,
     session_result,
 )
@@ -100,6 +108,12 @@ class LocalOptions:
     """Modules a one-shot sandbox's zygote imports, so that the runs forked from it find them loaded.
     Each must import under the sandbox's interpreter (a sandbox whose zygote cannot import one fails
     to start)."""
+    fresh_interpreter: bool = False
+    """Give each one-shot run and each session episode an interpreter of its own (its forked process
+    execs a new one, which imports `preload` again): its own string-hash secret (the order of a set of
+    strings) and address-space layout, which runs forked from the zygote share with it. It costs an
+    interpreter start per run, ahead of the run where the pool has time, in CPU time always
+    (docs/sandbox.md)."""
     warm_sessions: int = 2
     """Session interpreters kept started per distinct session limits (one per episode); 0 disables."""
     max_concurrency: int = 32
@@ -151,6 +165,8 @@ class LocalOptions:
             _check_reachable(source)
 
 
+_WATCHDOG_SOURCE = resources.files("sandbox").joinpath("_watchdog.py").read_text()
+"""The watchdog's program, passed with `python3 -I -c` (it imports nothing of the project)."""
 _SANDBOX_MOUNTS = (WORK_DIR, "/tmp", "/dev", "/proc")
 """Where each sandbox mounts its own file systems, over anything bound there."""
 
@@ -179,6 +195,43 @@ def _bind_pairs(binds: tuple[str | tuple[str, str], ...]) -> list[tuple[str, str
     return [(bind, bind) if isinstance(bind, str) else (bind[0], bind[1]) for bind in binds]
 
 
+class _Watchdog:
+    """The host's end of its sandboxes' watchdog (sandbox/_watchdog.py): a process of its own that ends
+    every sandbox of this backend (its cgroups, the process groups it was told of) once this process
+    closes the backend or dies, which no kernel signal does in every case."""
+
+    def __init__(self, folders: list[str]) -> None:
+        command = [sys.executable, "-I", "-c", _WATCHDOG_SOURCE, str(os.getpid()), json.dumps(folders)]
+        self._popen = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True, start_new_session=True
+        )
+        self._lock = threading.Lock()
+        """Sandboxes start on the spawner thread and go on the loop's: one line at a time."""
+
+    def started(self, group: int) -> None:
+        """A sandbox's first process started, leading process group `group` (what the watchdog kills
+        where no cgroup holds the sandbox)."""
+        self._send(b"+%d\n" % group)
+
+    def released(self, group: int) -> None:
+        """That sandbox was killed and is about to be reaped: its group's id may be reused after."""
+        self._send(b"-%d\n" % group)
+
+    def _send(self, line: bytes) -> None:
+        assert self._popen.stdin is not None
+        with self._lock, contextlib.suppress(OSError):  # a watchdog someone killed: nothing to tell
+            self._popen.stdin.write(line)
+            self._popen.stdin.flush()
+
+    async def close(self) -> None:
+        """Let it go (it finds nothing left to end) and reap it."""
+        with self._lock, contextlib.suppress(OSError):
+            assert self._popen.stdin is not None
+            self._popen.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(self._popen.wait, 30)
+
+
 class _Box:
     """One bubblewrap sandbox process (its launcher waits for a job or serves a session)."""
 
@@ -190,6 +243,7 @@ class _Box:
         uid: int | None,
         pool: UidPool | None,
         cgroup: SandboxCgroup | None,
+        backend: LocalBackend,
     ) -> None:
         self.child = child
         self.cgroup = cgroup
@@ -198,6 +252,8 @@ class _Box:
         self._status_read = status_read
         self._uid = uid
         self._pool = pool
+        self._backend = backend
+        backend._live.add(self)
         self.greeted = False
         """A session launcher's ready frame has been read (a recycled sandbox answered it at reset)."""
         self.busy = False
@@ -277,22 +333,25 @@ class _Box:
         return None
 
     def kill(self) -> None:
-        """Tear the whole sandbox down: killing its PID-namespace init kills every process in it."""
+        """Tear the whole sandbox down: every process in its cgroup; its first process's group, which
+        bubblewrap's child stays in until the sandbox is set up (killed before, it would wait forever
+        for word from its parent); and its PID-namespace init, whose death kills every process in it."""
         if self.cgroup is not None:
-            self.cgroup.thaw()
+            self.cgroup.kill_processes()  # thawed first: a frozen process holds its SIGKILL
+        if self.child.popen.returncode is None:  # not reaped yet, so its pid still names its group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.child.pid, signal.SIGKILL)
         inner = self._inner_pid()
         if inner is not None and self.child.alive and _parent_of(inner) == self.child.pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(inner, signal.SIGKILL)
         self.child.kill()
 
-    def kill_late(self) -> None:
-        """Kill and release a sandbox nobody waits for any more (its start was cancelled)."""
-        asyncio.get_running_loop().create_task(self.close())
-
     async def close(self) -> None:
         self.kill()
+        self._backend._watchdog.released(self.child.pid)
         await self.child.close()
+        self._backend._live.discard(self)
         for fd in (self._info_read, self._status_read):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -392,11 +451,21 @@ class LocalBackend:
         self.recycled = 0
         """Sandboxes reset and returned to a warm pool after a one-shot run or a session (a counter, for
         tests and benchmarks)."""
+        self.discards: collections.Counter[str] = collections.Counter()
+        """One-shot sandboxes discarded after a run that ended by itself, by reason: `litter` (the run
+        left more than a reset may undo, `RESET_BUDGET` in sandbox/_launcher.py). A counter, for tests
+        and benchmarks."""
         tree_name = f"pacerl-{os.getpid()}-{secrets.token_hex(4)}"
         self._cgroups = CgroupTree.detect(tree_name) if self.options.cgroups else None
         self._cpus = cpus_available()
         self._spawner = Spawner(self._cgroups)
         """Starts sandboxes off the event loop, each born inside its own cgroup."""
+        self._starts: set[asyncio.Future[tuple[subprocess.Popen[bytes], SandboxCgroup | None]]] = set()
+        """Sandbox starts on the spawner thread not yet finished."""
+        self._live: set[_Box] = set()
+        """Every sandbox started and not yet closed (in a pool, a run or a session, or being killed)."""
+        folders = [] if self._cgroups is None else [str(path) for path in self._cgroups.folders.values()]
+        self._watchdog = _Watchdog(folders)
         self._extra_processes = 1 if self._unshare is not None else 0
         """Added to a run's RLIMIT_NPROC: under `unshare` the zygote is a process of the sandbox's uid
         that bubblewrap's (uncounted) outer process is not, so the code keeps the same budget."""
@@ -426,7 +495,14 @@ class LocalBackend:
             argv += ["--ro-bind", source, target]
         for name, target in _TOP_SYMLINKS.items():
             argv += ["--symlink", target, name]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--perms", "1777", "--tmpfs", "/dev/shm"]
+        argv += ["--proc", "/proc"]
+        # What PID 1 (the zygote, which bubblewrap's child becomes) shows of earlier runs, and what names
+        # the host's block devices: /dev/null cannot be opened on bubblewrap's nodev binds.
+        for path in MASKED_FILES:
+            argv += ["--ro-bind", "/dev/null", path]
+        for path in MASKED_DIRS:
+            argv += ["--size", "4096", "--perms", "0555", "--tmpfs", path, "--remount-ro", path]
+        argv += ["--dev", "/dev", "--size", size, "--perms", "1777", "--tmpfs", "/dev/shm"]
         argv += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", WORK_DIR, "--chdir", WORK_DIR]
         # /dev read-only: no modes, ACLs, xattrs or entries there that could outlive an episode.
         argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--clearenv"]
@@ -443,6 +519,8 @@ class LocalBackend:
             "symlinks": _TOP_SYMLINKS,
             "work": WORK_DIR,
             "env": SANDBOX_ENV,
+            "masked_files": MASKED_FILES,
+            "masked_dirs": MASKED_DIRS,
         }
         # setpriv's parent-death signal survives its exec of unshare, so the sandbox dies with us.
         argv = ["setpriv", "--pdeathsig", "SIGKILL", "--", self._unshare]
@@ -475,7 +553,7 @@ class LocalBackend:
         def discard(future: asyncio.Future[tuple[subprocess.Popen[bytes], SandboxCgroup | None]]) -> None:
             if not future.cancelled() and future.exception() is None:
                 popen, cgroup = future.result()
-                _Box(Child(popen), info_read, status_read, uid, self._uids, cgroup).kill_late()
+                self._discard(_Box(Child(popen), info_read, status_read, uid, self._uids, cgroup, self))
             else:
                 release()
 
@@ -485,6 +563,8 @@ class LocalBackend:
             if uid is not None and self._uids is not None:
                 self._uids.give(uid)
 
+        self._starts.add(started)
+        started.add_done_callback(self._starts.discard)
         try:
             popen, cgroup = await asyncio.shield(started)
         except asyncio.CancelledError:
@@ -493,7 +573,7 @@ class LocalBackend:
         except BaseException:
             release()
             raise
-        box = _Box(Child(popen), info_read, status_read, uid, self._uids, cgroup)
+        box = _Box(Child(popen), info_read, status_read, uid, self._uids, cgroup, self)
         box.spawner_left = asyncio.wrap_future(thread_left)
         return box
 
@@ -509,6 +589,8 @@ class LocalBackend:
     ) -> tuple[subprocess.Popen[bytes], SandboxCgroup | None]:
         """Start the sandbox's first process (on the spawner thread, which is inside `cgroup`)."""
         try:
+            if self._closed:  # `aclose` waits for the starts before this one, and kills what they started
+                raise RuntimeError("this sandbox is closed")
             if self._cgroups is not None and cgroup is not None:
                 self._cgroups.sweep()
                 cgroup.set_limits(*_cgroup_limits(limits))
@@ -534,6 +616,7 @@ class LocalBackend:
             # are visible inside (/proc/1/environ), so the host's variables must never reach them.
             env = dict(SANDBOX_ENV)
             popen = spawn(argv, pass_fds=fds, env=env, **as_user)
+            self._watchdog.started(popen.pid)  # its process group (it starts a session of its own)
         except BaseException:
             if cgroup is not None:
                 cgroup.remove()
@@ -554,8 +637,13 @@ class LocalBackend:
     async def _spawn_for(self, key: _PoolKey) -> _Box:
         mode, limits_json = key
         limits = Limits(**json.loads(limits_json))
-        third = json.dumps(limits.to_wire()) if mode == "session" else json.dumps(self.options.preload)
-        return await self._spawn(mode, limits, third)
+        fresh = self.options.fresh_interpreter
+        config = (
+            session_config(limits, fresh)
+            if mode == "session"
+            else oneshot_config(self.options.preload, fresh)
+        )
+        return await self._spawn(mode, limits, config)
 
     async def _fill(self, key: _PoolKey) -> None:
         pool = self._warm.setdefault(key, [])
@@ -814,15 +902,17 @@ class LocalBackend:
         failure = None if pump.cancelled() else pump.exception()
         ended = not pump.cancelled() and failure is None and not pump.result()
         if frames.exit is not None and not over():
-            code, reached = frames.exit
+            code, reached, resettable = frames.exit
             duration = time.monotonic() - started
             if not reached:  # the forked process failed before the user's code began
                 detail = err.text().strip()[-500:]
                 return ExecResult.sandbox_error(f"the sandbox failed to start: {detail}", duration), False
+            if not resettable:
+                self.discards["litter"] += 1
             status, reason = classify_exit(code, err.text())
             if status is not ExecStatus.OK and box.oom_kills() > oom_start:
                 status, reason = ExecStatus.MEMORY, _MEMORY_REASON.format(limits.memory_mb)
-            return ExecResult.captured(status, code, out, err, duration, reason), True
+            return ExecResult.captured(status, code, out, err, duration, reason), resettable
         # Ended from here (or dead): the whole sandbox goes; what it wrote before is still read.
         box.kill()
         with contextlib.suppress(TimeoutError, OSError, SandboxProtocolError):
@@ -857,7 +947,9 @@ class LocalBackend:
         return session
 
     async def aclose(self) -> None:
-        """Stop every warm sandbox. Idempotent."""
+        """Stop every sandbox: nothing of one outlives this call. Idempotent."""
+        if self._closed and not self._live and not self._starts:
+            return
         self._closed = True
         for task in list(self._filling.values()):
             task.cancel()
@@ -868,14 +960,23 @@ class LocalBackend:
             for future in waiting:
                 if not future.done():
                     future.set_result(None)
+        # Every start already on the spawner thread finishes (a cancelled one's sandbox is discarded as
+        # it lands); a later one refuses, as the backend is closed.
+        await asyncio.gather(*self._starts, return_exceptions=True)
         warm, self._warm = self._warm, {}
         for pool in warm.values():
             for box in pool:
                 await box.close()
         for session in list(self._sessions):
             await session.aclose()
-        await asyncio.gather(*self._closing, return_exceptions=True)
+        while self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+        for box in list(self._live):  # a run's or a starting session's, still in flight
+            await box.close()
         self._spawner.close()
+        if self._cgroups is not None:
+            self._cgroups.kill_all()  # whatever no box held any more
+        await self._watchdog.close()
         if self._cgroups is not None:
             self._cgroups.remove()  # what still holds exiting processes goes with the next backend's sweep
 

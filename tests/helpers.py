@@ -231,3 +231,43 @@ def assert_taken_over_nothing(report: dict[str, object]) -> None:
             assert value == [], (key, report)
         else:
             assert value == "denied", (key, report)
+
+
+class ServedBy:
+    """Which sandbox (local) or container (docker) of `sandbox`'s backend served each one-shot run from
+    now on (until the test ends), in order: tests compare them with `is` to tell a sandbox reset and
+    reused from a new one, without asking the sandboxed code (which cannot see its zygote's start)."""
+
+    def __init__(self, sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.boxes: list[object] = []
+        backend = sandbox._backend
+        run_in = backend._run_in  # type: ignore[attr-defined]
+
+        async def recorded(box: object, request: ExecRequest) -> object:
+            self.boxes.append(box)
+            return await run_in(box, request)
+
+        monkeypatch.setattr(backend, "_run_in", recorded)
+
+
+def session_box(session: object) -> object:
+    """The sandbox (local) or container (docker) a live `sandbox.Session` runs in."""
+    live = session._backend_session  # type: ignore[attr-defined]
+    assert live is not None and live._box is not None, "the session has not started"
+    return live._box
+
+
+def settle_pools(sandbox: Sandbox) -> None:
+    """Wait until the one-shot runs of `sandbox` left no reset, start or removal in flight (a hang guard
+    ends the wait)."""
+    backend = sandbox._backend
+    deadline = time.monotonic() + 60  # a hang guard: a reset takes milliseconds, a start well under 60 s
+    while time.monotonic() < deadline:
+        if hasattr(backend, "_filling"):  # the local backend
+            busy = backend._resets or backend._filling or backend._closing
+        else:
+            busy = backend._resets or backend._starting or backend._removing  # type: ignore[attr-defined]
+        if not busy:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the one-shot pool never settled")

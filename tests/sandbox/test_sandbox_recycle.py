@@ -12,7 +12,13 @@ import pytest
 
 from sandbox import ExecStatus, Sandbox
 from sandbox.local import LocalBackend
-from tests.helpers import CHANGE_WHAT_A_RESET_CANNOT_UNDO, LITTER, TAKEOVER, assert_taken_over_nothing
+from tests.helpers import (
+    CHANGE_WHAT_A_RESET_CANNOT_UNDO,
+    LITTER,
+    TAKEOVER,
+    assert_taken_over_nothing,
+    session_box,
+)
 
 
 @pytest.fixture(scope="module", params=["bwrap", "unshare"])
@@ -27,9 +33,6 @@ def backend(sandbox: Sandbox) -> LocalBackend:
     assert isinstance(found, LocalBackend)
     return found
 
-
-INIT_START = "open('/proc/1/stat').read().rsplit(')', 1)[1].split()[19]"
-"""When the sandbox's PID 1 started: the same value means the same sandbox."""
 
 DIRTY = (
     "import builtins, json\nsecret = 1\n"
@@ -65,13 +68,13 @@ def test_recycled_session_starts_clean(recycling: Sandbox) -> None:
     before = backend(recycling).recycled
     with recycling.session() as first:
         fresh = first.run(CHECK)
-        init_started = first.run(INIT_START).stdout
+        used = session_box(first)
         dirty = first.run(DIRTY)
         assert dirty.status is ExecStatus.OK, dirty
     assert backend(recycling).recycled == before + 1
     with recycling.session() as second:
-        assert second.run(INIT_START).stdout == init_started  # the same sandbox, reused
         after = second.run(CHECK)
+        assert session_box(second) is used  # the same sandbox, reused
         assert after.status is ExecStatus.OK, after
         assert after.stdout == fresh.stdout, (fresh.stdout, after.stdout)
         assert '"secret": false' in after.stdout and '"others": []' in after.stdout
