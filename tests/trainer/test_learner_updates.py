@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
+from typing import Any
 
 import pytest
 import torch
 
 from agents.trajectory import Status, Trajectory
 from pacerl.config import ConfigError, load_config
-from tests.trainer.test_learner import small_model
+from tests.trainer.test_learner import on_policy, small_model, two_groups
+from trainer.batch import TokenBatch, collate, forward_logprobs
 from trainer.learner import (
     LOSSES,
     DecoupledPPOSettings,
@@ -21,6 +24,14 @@ from trainer.learner import (
     Learner,
     LearnerConfig,
     LossConfig,
+)
+from trainer.losses import (
+    ClipConfig,
+    SATConfig,
+    decoupled_ppo_loss,
+    gspo_loss,
+    sat_threshold,
+    sequence_staleness,
 )
 
 RAGGED = [(40, 3, 25, 4), (17, 17, 9, 31), (2, 40, 3, 25), (4, 17, 9, 31), (31, 2, 2, 40), (9, 3, 17, 25)]
@@ -310,3 +321,158 @@ def test_each_loss_reads_its_own_section() -> None:
         load_config(None, ["learner.loss.gmc_eps=0.3"])
     config = load_config(None, ["learner.loss.name=decoupled_ppo", "learner.loss.decoupled_ppo.weight_cap=3"])
     assert config.learner.loss.decoupled_ppo.weight_cap == 3.0
+
+
+def gradient_of(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient in one vector (0 where a parameter got none)."""
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()]
+    )
+
+
+MEANS = [
+    ("gspo", "sequence"),
+    ("gspo_token", "sequence"),
+    ("gmc", "sequence"),
+    ("grpo", "sequence"),
+    ("decoupled_ppo", "sequence"),
+    ("grpo", "token"),
+    ("decoupled_ppo", "token"),
+]
+
+
+@pytest.mark.parametrize(("loss", "aggregation"), MEANS, ids=[f"{loss}-{unit}" for loss, unit in MEANS])
+def test_the_accumulated_gradient_divides_by_the_batchs_sequences_or_tokens_by_hand(
+    loss: str, aggregation: str
+) -> None:
+    """`two_groups` on policy: responses of 3, 2 | 4, 1 tokens, rewards 1, 0 | 0, 1, so advantages
+    +1, -1 | -1, +1 (the population std of each group is 0.5), every ratio 1 and nothing clipped, gated
+    or capped. Every loss's gradient is then the policy gradient -(1/4) Σ_i A_i ∇(mean log π over y_i)
+    for a sequence mean (4 sequences) and -(1/10) Σ_i A_i ∇(Σ log π over y_i) for a token mean (10
+    tokens): accumulated over micro-batches of one group each, the learner's gradient must be it. A
+    sequence mean divided by the 10 tokens would give 0.4 times it; a token mean by the 4 sequences,
+    2.5 times."""
+    model = small_model()
+    sections: dict[str, dict[str, Any]] = {
+        "grpo": {"grpo": GRPOSettings(aggregation=aggregation)},  # type: ignore[arg-type]
+        "decoupled_ppo": {"decoupled_ppo": DecoupledPPOSettings(aggregation=aggregation)},  # type: ignore[arg-type]
+    }
+    config = LossConfig(name=loss, **sections.get(loss, {}))  # type: ignore[arg-type]
+    learner = Learner(copy.deepcopy(model), LearnerConfig(loss=config, micro_batch_size=2, grad_clip=1e9))
+    groups = on_policy(learner, two_groups())
+    learner.optimizer.step = lambda *args, **kwargs: None  # type: ignore[method-assign]  # keep the grads
+    result = learner.train_step(groups)
+    assert result.updated and result.metrics["clip_fraction"] == 0
+    batch = collate([t for group in groups for t in group], learner.pad_id)
+    lengths = torch.tensor([3, 2, 4, 1])
+    assert torch.equal(batch.loss_mask.sum(-1), lengths)
+    advantages = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    logprobs, _, _ = forward_logprobs(model, batch, temperature=1.0, replay_routes=False)
+    summed = (logprobs * batch.loss_mask).sum(-1)
+    objective = (
+        (advantages * summed / lengths).sum() / 4
+        if aggregation == "sequence"
+        else (advantages * summed).sum() / 10
+    )
+    torch.autograd.backward(-objective)
+    assert relative(gradient_of(learner.model), gradient_of(model)) <= 1e-4
+
+
+LATER_UPDATES = {
+    "decoupled_ppo": LossConfig(name="decoupled_ppo"),
+    "gspo-recompute": LossConfig(name="gspo", gspo=GSPOSettings(ratio_anchor="recompute")),
+}
+"""The losses whose later updates clip against the weights before the step's first update."""
+
+
+def one_piece_gradient(
+    loss: str,
+    model: torch.nn.Module,
+    batch: TokenBatch,
+    proximal: torch.Tensor,
+    advantages: torch.Tensor,
+    threshold: torch.Tensor | None,
+) -> torch.Tensor:
+    """The gradient at `model`'s weights of the whole mini-batch's loss from the pure function, SAT on
+    with the default clip and quantile; `threshold` None: the loss takes its own quantile, over these
+    log-probs."""
+    model.zero_grad(set_to_none=True)
+    logprobs, _, _ = forward_logprobs(model, batch, temperature=1.0, replay_routes=False)
+    clip, sat, mask = ClipConfig(0.2, 0.2), SATConfig(0.9, "cauchy"), batch.loss_mask
+    if loss == "decoupled_ppo":
+        output = decoupled_ppo_loss(
+            logprobs, proximal, batch.behaviour, advantages, mask, clip, sat=sat, sat_threshold=threshold
+        )
+    else:
+        output = gspo_loss(
+            logprobs, proximal, advantages, mask, clip, False, sat, batch.behaviour, sat_threshold=threshold
+        )
+    torch.autograd.backward(output.loss)
+    return gradient_of(model)
+
+
+def proximal_threshold(loss: str, proximal: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+    """SAT's quantile at the weights before the step's first update: over tokens (decoupled_ppo) or
+    over each sequence's mean (gspo)."""
+    mask, sat = batch.loss_mask, SATConfig(0.9, "cauchy")
+    if loss == "decoupled_ppo":
+        return sat_threshold((proximal - batch.behaviour)[mask], torch.tensor(True), sat)
+    return sat_threshold(sequence_staleness(proximal, batch.behaviour, mask), mask.any(-1), sat)
+
+
+@pytest.mark.parametrize("loss", list(LATER_UPDATES))
+def test_each_later_update_takes_sats_quantile_at_its_own_weights(loss: str) -> None:
+    """2 mini-batches × 2 epochs of 3 groups of 4 (12 sequences each), micro-batches of 4 sequences, so
+    the learner takes SAT's quantile in a pass of its own. §8b: batch statistics are the batch's, so the
+    quantile of an update is taken at the weights of that update, not at the proximal weights of the
+    step's first one. Hence (1) each update gates the entries above the 0.9 quantile of its own entries
+    (n of them: n - 1 - floor(0.9 (n - 1)), 2 of 12 sequences for gspo) and (2) its gradient is that of
+    its whole mini-batch's loss in one piece at its weights, from the pure loss function, which takes
+    its own quantile. The quantile at the proximal weights moves the gradient of at least one later
+    update by more than 5%, so (2) tells the two apart."""
+    model = small_model()
+    groups = ragged_groups_of_small_model()
+    config = LearnerConfig(
+        loss=LATER_UPDATES[loss], minibatches=2, epochs=2, lr=1e-3, micro_batch_size=4, grad_clip=1e9
+    )
+    learner = Learner(copy.deepcopy(model), config)
+    plans: list[tuple[Any, list[tuple[int, list[int]]]]] = []
+    plan_of = learner._update_plan
+
+    def spied_plan(prepared: Any) -> list[tuple[int, list[int]]]:
+        plans.append((prepared, plan_of(prepared)))
+        return plans[-1][1]
+
+    weights: list[dict[str, torch.Tensor]] = []
+    gradients: list[torch.Tensor] = []
+    step = learner.optimizer.step
+
+    def recording_step(*args: object, **kwargs: object) -> None:
+        weights.append(copy.deepcopy(learner.model.state_dict()))
+        gradients.append(gradient_of(learner.model))
+        step()
+
+    learner._update_plan = spied_plan  # type: ignore[method-assign]
+    learner.optimizer.step = recording_step  # type: ignore[method-assign]
+    result = learner.train_step(groups)
+    assert result.metrics["updates"] == 4
+    ((prepared, plan),) = plans
+    current = copy.deepcopy(model)
+    entries, gated, moved_by_stale = 0, 0, []
+    for update, (_, members) in enumerate(plan):
+        assert len(members) == 12  # 3 micro-batches
+        batch = collate([prepared.trajectories[i] for i in members], learner.pad_id)
+        n = len(members) if loss.startswith("gspo") else batch.num_tokens
+        entries, gated = entries + n, gated + n - 1 - math.floor(0.9 * (n - 1))
+        advantages = torch.tensor([prepared.advantages[i] for i in members])
+        with torch.no_grad():  # the weights before the step's first update (the learner trained a copy)
+            proximal, _, _ = forward_logprobs(model, batch, temperature=1.0, replay_routes=False)
+        current.load_state_dict(weights[update])
+        pieces = (loss, current, batch, proximal, advantages)
+        at_these_weights = one_piece_gradient(*pieces, None)
+        assert relative(gradients[update], at_these_weights) <= 1e-4, update
+        if update:
+            stale = one_piece_gradient(*pieces, proximal_threshold(loss, proximal, batch))
+            moved_by_stale.append(relative(stale, at_these_weights))
+    assert result.metrics["sat_gate_rate"] == pytest.approx(gated / entries, abs=1e-6)
+    assert max(moved_by_stale) > 0.05, moved_by_stale

@@ -6,6 +6,7 @@ restored."""
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import numpy as np
@@ -231,3 +232,85 @@ def test_replay_validates_its_data_and_always_restores_the_model() -> None:
     with torch.no_grad(), routing_replay(model, good, replay):
         forced = model(input_ids=ids).logits
     assert not torch.allclose(forced, before)  # the replay really decided the routing
+
+
+LOGITS = (3.0, 2.0, 1.0, -1.0, 0.5, -1.5, -2.0, -3.0)
+"""One token's router logits, the first `num_experts` of them: every family's live top-2 is experts 0
+and 1 (DeepSeek-V3's group-limited choice too: groups (0, 1) and (4, 5) lead)."""
+
+
+def sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def _softmax_case(renormalised: bool, experts: int) -> tuple[list[float], list[float], list[float]]:
+    """Softmax over all experts' logits, taken at the recorded ones: [2, 3] (logits 1, -1) and [1, 0]
+    (2, 3), renormalised over them or not; and d w(expert 2) / d logits for the first pair."""
+    z = sum(math.exp(x) for x in LOGITS[:experts])
+    p = [math.exp(x) / z for x in LOGITS[:experts]]
+    if renormalised:  # exp(1) / (exp(1) + exp(-1)) = sigmoid(2): only the two logits count
+        w = sigmoid(2.0)
+        grad = [0.0, 0.0, w * (1 - w), -w * (1 - w), *[0.0] * (experts - 4)]
+        return [w, 1 - w], [sigmoid(-1.0), sigmoid(1.0)], grad
+    # un-renormalised: p_2 itself; d p_2 / d l_e = p_2 (δ_e2 - p_e), every logit counts
+    grad = [p[2] * (float(e == 2) - p[e]) for e in range(experts)]
+    return [p[2], p[3]], [p[1], p[0]], grad
+
+
+def _sigmoid_case() -> tuple[list[float], list[float], list[float]]:
+    """DeepSeek-V3 (8 experts, norm_topk_prob, routed_scaling_factor 2.5): 2.5 σ(l_i) / Σ_chosen σ(l_j).
+    For [2, 3] the sigmoids sum to 1 (σ(1) + σ(-1)), so the weights are 2.5 σ(1), 2.5 σ(-1); with
+    s2 = σ(1), s3 = σ(-1): d/dl2 = 2.5 s2 (1 - s2) s3, d/dl3 = -2.5 s2 s3 (1 - s3)."""
+    s2, s3, s1, s0 = sigmoid(1.0), sigmoid(-1.0), sigmoid(2.0), sigmoid(3.0)
+    grad = [0.0, 0.0, 2.5 * s2 * (1 - s2) * s3, -2.5 * s2 * s3 * (1 - s3), 0.0, 0.0, 0.0, 0.0]
+    return [2.5 * s2, 2.5 * s3], [2.5 * s1 / (s1 + s0), 2.5 * s0 / (s1 + s0)], grad
+
+
+GATE_CASES = {
+    "qwen3_moe": _softmax_case(renormalised=True, experts=6),  # norm_topk_prob: [0.8808, 0.1192]
+    "qwen2_moe": _softmax_case(renormalised=False, experts=6),  # no norm_topk_prob: [0.0835, 0.0113]
+    "granitemoe": _softmax_case(renormalised=True, experts=6),  # softmax over the chosen logits
+    "deepseek_v3": _sigmoid_case(),  # [1.8276, 0.6724]
+}
+"""Per family: the gate weights of recorded [2, 3], of recorded [1, 0], and d w(expert 2) / d logits."""
+
+
+@pytest.mark.parametrize("family", list(GATE_CASES))
+def test_replayed_experts_get_the_live_logits_gate_weights_by_hand(family: str) -> None:
+    """top_k = 2, three positions with the same logits (`LOGITS`): the first replays experts [2, 3],
+    which the live router would not choose; the second [1, 0], the live set in another order; the
+    third has no recorded row and keeps the live choice. The replayed weights are the family's router
+    arithmetic on the live logits over the recorded experts (docs/algorithms.md §4), not the weights of
+    the experts the live router chose, and their gradient reaches the router's weight."""
+    from tests.agents.test_moe_families import build_tiny
+
+    model = build_tiny(family)
+    info = moe_info(model)
+    gate = info.gates[0]
+    weight = gate.get_parameter("weight")
+    experts, hidden_size = info.num_experts, weight.shape[1]
+    with torch.no_grad():  # the router's logits are the first `experts` entries of its input
+        weight.copy_(torch.eye(experts, hidden_size))
+        if family == "deepseek_v3":  # the bias only steers the choice; 0 keeps the live top-2 at 0, 1
+            gate.get_buffer("e_score_correction_bias").zero_()
+    hidden = torch.zeros(3, hidden_size)
+    hidden[:, :experts] = torch.tensor(LOGITS[:experts])
+    with torch.no_grad():
+        _, live_scores, live_chosen = gate(hidden)
+    assert sorted(live_chosen[0].tolist()) == [0, 1]
+    recorded = torch.tensor([[2, 3], [1, 0], [4, 5]])  # the third row is not replayed
+    routes = recorded[None, :, None, :].expand(1, 3, info.num_layers, 2).clone()
+    replay = torch.tensor([[True, True, False]])
+    with routing_replay(model, routes, replay) as stats:
+        logits, scores, chosen = gate(hidden)
+    first, second, grad = GATE_CASES[family]
+    torch.testing.assert_close(logits, hidden[:, :experts], rtol=0, atol=0)
+    assert chosen[:2].tolist() == [[2, 3], [1, 0]]
+    assert torch.equal(chosen[2], live_chosen[2])
+    torch.testing.assert_close(scores[:2], torch.tensor([first, second]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(scores[2], live_scores[2], rtol=0, atol=0)  # the live router's own
+    assert (stats.replayed_rows, stats.disagreeing_rows, stats.layers_seen) == (2, 1, {0})
+    torch.autograd.backward(scores[0, 0])
+    assert weight.grad is not None
+    expected = torch.outer(torch.tensor(grad), hidden[0])  # d w / d weight = d w / d logits ⊗ input
+    torch.testing.assert_close(weight.grad, expected, rtol=0, atol=1e-6)
