@@ -6,7 +6,9 @@ Measures one-shot `print(1+1)` latency next to a plain `python3 -I -c` start (wi
 apart, which find a sandbox waiting, and back to back, which race its reset), persistent-session call
 latency, throughput with 1, 2 and 8 concurrent callers and the CPU each run costs there (this
 process, the sandboxes' cgroups, and dockerd and containerd-shim for Docker), and a session cycle
-(open, one call, close, back to back) with recycled sandboxes and with a fresh one each.
+(open, one call, close, back to back) with recycled sandboxes and with a fresh one each. The local
+backend is measured twice: runs forked from its zygote, and runs in a fresh interpreter each
+(`fresh_interpreter=True`).
 """
 
 from __future__ import annotations
@@ -173,6 +175,8 @@ def main() -> None:
         return
     report["plain_python3_-I_-c"] = timed(plain_python, args.runs)
     report["local_bwrap"] = bench_backend("local", args.runs)
+    # Each run in an interpreter of its own (its own hash secret and layout): an interpreter start per run.
+    report["local_bwrap_fresh_interpreter"] = bench_backend("local", args.runs, fresh_interpreter=True)
     with Sandbox("local", warm_pool=0) as cold:
         report["local_bwrap_cold"] = {"oneshot": timed(lambda: check(cold.run(CODE)), args.runs // 2)}
     report["local_unshare"] = bench_backend("local", args.runs, isolation="unshare")
@@ -189,17 +193,17 @@ def main() -> None:
     plain = report["plain_python3_-I_-c"]["p50_ms"]
     report["ratios_vs_plain_p50"] = {
         key: round(report[key]["oneshot_idle_arrivals"]["p50_ms"] / plain, 2)
-        for key in ("local_bwrap", "local_unshare", "docker")
+        for key in ("local_bwrap", "local_bwrap_fresh_interpreter", "local_unshare", "docker")
         if "oneshot_idle_arrivals" in report[key]
     } | {
         f"{key}_back_to_back": round(report[key]["oneshot_back_to_back"]["p50_ms"] / plain, 2)
-        for key in ("local_bwrap", "local_unshare", "docker")
+        for key in ("local_bwrap", "local_bwrap_fresh_interpreter", "local_unshare", "docker")
         if "oneshot_back_to_back" in report[key]
     }
     local = report["local_bwrap"]["throughput_runs_per_s"]["8"]
     report["throughput_vs_local_8_callers"] = {
         key: round(report[key]["throughput_runs_per_s"]["8"] / local, 2)
-        for key in ("local_unshare", "docker")
+        for key in ("local_bwrap_fresh_interpreter", "local_unshare", "docker")
         if "throughput_runs_per_s" in report[key]
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
