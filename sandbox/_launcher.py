@@ -807,8 +807,10 @@ def session(config: Job, status_fd: int) -> None:
 #
 # Host -> zygote: `SIZE\n` + SIZE bytes (a job, relayed unread to the waiting process).
 # Zygote -> host: `r\n` (ready for a job); `1 SIZE\n` or `2 SIZE\n` + SIZE bytes (the run's stdout or
-# stderr); `x CODE STARTED\n` (the run is over: its exit code or minus the signal that killed it, and 1
-# if it reached the user's code); `!reason\n` (the zygote gives up and the sandbox ends).
+# stderr); `x CODE STARTED RESET\n` (the run is over: its exit code or minus the signal that killed it,
+# 1 if it reached the user's code, and 1 if the zygote resets the sandbox now, 0 if the run left more
+# than a reset undoes and the zygote ends instead); `!reason\n` (the zygote gives up and the sandbox
+# ends).
 
 
 class Run:

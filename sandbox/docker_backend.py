@@ -13,7 +13,8 @@ work dir, /tmp and /dev/shm wiped, its own limits and the network namespace chec
 backend; a run costs a write and the code's own run time, no call to the daemon. A container goes
 back to the warm pool only once its zygote confirmed the reset, and only where this host can read
 the container's cgroup (its CPU time and OOM kills are then counted per run); a run the host had to
-end (timeout, CPU, flood) or a reset that failed gets the container removed, never reused.
+end (timeout, CPU, flood), a run that left more than a reset may undo, or a reset that failed gets
+the container removed, never reused.
 
 Sessions: PID 1 only waits and reaps, and the session launcher runs through `docker exec`; each
 session (one episode) gets a container of its own, removed after it.

@@ -16,8 +16,15 @@ process exit, not a sandbox and interpreter start. After each run the zygote kil
 the sandbox, wipes the work dir, /tmp, /dev/shm, System V IPC and keyrings, checks its own limits and
 the network namespace against a snapshot, and forks the next process; the host puts the sandbox back
 in the warm pool only once that reset is confirmed, in the background, so the next run does not wait
-for it. A run the host had to end (timeout, CPU, output flood) or a reset that failed gets the whole
-sandbox killed, never reused.
+for it. A run the host had to end (timeout, CPU, output flood), a run that left more than a reset may
+undo (its exit frame says so, before its result returns) and a reset that failed get the whole
+sandbox killed, never reused. Each forked run starts a session of its own, so no setting of its
+session (its autogroup's nice value) reaches the next run; PID 1's files that show what earlier runs
+cost it are masked.
+
+Nothing of a sandbox outlives `aclose()` or this process: `aclose()` waits for starts in flight and
+kills whatever is left in the backend's cgroups, and a watchdog process (sandbox/_watchdog.py) ends
+every sandbox of a host that died.
 
 Sessions recycle their sandbox the same way (`LocalOptions.recycle_sessions`): the zygote then forks
 one interpreter per episode and resets the sandbox at the session's close.
@@ -167,6 +174,8 @@ class LocalOptions:
 
 _WATCHDOG_SOURCE = resources.files("sandbox").joinpath("_watchdog.py").read_text()
 """The watchdog's program, passed with `python3 -I -c` (it imports nothing of the project)."""
+_WATCHDOG_EXIT_S = 15.0
+"""How long `aclose` waits for the watchdog to exit (it has nothing left to end: milliseconds)."""
 _SANDBOX_MOUNTS = (WORK_DIR, "/tmp", "/dev", "/proc")
 """Where each sandbox mounts its own file systems, over anything bound there."""
 
@@ -224,12 +233,30 @@ class _Watchdog:
             self._popen.stdin.flush()
 
     async def close(self) -> None:
-        """Let it go (it finds nothing left to end) and reap it."""
+        """Let it go (it finds nothing left to end) and reap it. Its exit is watched on the loop (a
+        pidfd), not waited for on a thread: none may start once the interpreter is exiting (a
+        `Sandbox` closed by an atexit hook)."""
         with self._lock, contextlib.suppress(OSError):
             assert self._popen.stdin is not None
             self._popen.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            await asyncio.to_thread(self._popen.wait, 30)
+        if self._popen.poll() is not None:
+            return
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+        pidfd = os.pidfd_open(self._popen.pid)  # not reaped yet, so the pid is still its own
+
+        def on_exit() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(pidfd, on_exit)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(exited, _WATCHDOG_EXIT_S)
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        self._popen.poll()
 
 
 class _Box:
