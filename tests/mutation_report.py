@@ -23,8 +23,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
-FILES = ("trainer/losses.py", "trainer/advantages.py", "trainer/pool.py")
+FILES = ("trainer/losses.py", "trainer/advantages.py", "trainer/pool.py", "trainer/replay.py")
 POOL_SCOPE = (
     "admission_capacity",
     "pace_budget",
@@ -42,6 +43,7 @@ POOL_SCOPE = (
 MUTANT_GLOBS = (
     "trainer.losses.*",
     "trainer.advantages.*",
+    "trainer.replay.*",
     *(
         f"trainer.pool.{'xǁ' + name.replace('.', 'ǁ') if '.' in name else 'x_' + name}__mutmut_*"
         for name in POOL_SCOPE
@@ -49,8 +51,20 @@ MUTANT_GLOBS = (
 )
 """mutmut's names of the mutants in scope (what `mutmut run` is given)."""
 
-TESTS = ("tests/trainer/test_losses.py", "tests/trainer/test_pool.py")
+TESTS = ("tests/trainer/test_losses.py", "tests/trainer/test_pool.py", "tests/trainer/test_replay.py")
 """The tests mutmut runs (`pytest_add_cli_args_test_selection` in pyproject.toml)."""
+
+
+class Named(NamedTuple):
+    """A hand-written mutant: the file it edits, its edits (original text, replacement; each original
+    found exactly once) and the tests that must kill it."""
+
+    path: str
+    edits: list[tuple[str, str]]
+    tests: tuple[str, ...] = TESTS
+    """`TESTS`, or for an edit outside mutmut's files (the learner's), the tests written to kill it:
+    learner tests are too slow for every mutmut mutant, not for one named edit."""
+
 
 _GATE = (
     "c_high = torch.where(gated & (d > 0), k, torch.ones_like(k))",
@@ -60,41 +74,43 @@ _BOUNDS = "return 1 - clip.eps_low * c_low, 1 + clip.eps_high * c_high, gated, k
 _CAUCHY = "k = 1.0 / (1.0 + ((magnitude - q) / q.clamp_min(1e-12)) ** 2)"
 _STALENESS = "staleness = sequence_staleness(logprobs, behaviour, mask)"
 _GSPO_BOUNDS = "lo, hi, gated, k = sat_bounds(staleness, present, clip, sat, sat_threshold)"
+_DENOMINATOR = 'denominator = float(tokens if unit == "token" else len(trajectories))'
+_UPDATES = "tests/trainer/test_learner_updates.py"
 _SCORE = "score = np.add.reduceat(s_eff, starts) / np.diff(starts, append=rows.size)"
-NAMED_MUTANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
-    "SAT endpoint selection swapped": (
+NAMED_MUTANTS: dict[str, Named] = {
+    "SAT endpoint selection swapped": Named(
         "trainer/losses.py",
         [(_GATE[0], _GATE[0].replace("d > 0", "d < 0")), (_GATE[1], _GATE[1].replace("d < 0", "d > 0"))],
     ),
-    "contraction radius: cauchy exponent 3": (
+    "contraction radius: cauchy exponent 3": Named(
         "trainer/losses.py",
         [(_CAUCHY, _CAUCHY.replace("** 2", "** 3"))],
     ),
-    "contraction radius: cauchy scale 2q": (
+    "contraction radius: cauchy scale 2q": Named(
         "trainer/losses.py",
         [(_CAUCHY, _CAUCHY.replace("/ q.clamp_min", "/ (2 * q).clamp_min"))],
     ),
-    "contraction radius: rational q² instead of 2q²": (
+    "contraction radius: rational q² instead of 2q²": Named(
         "trainer/losses.py",
         [("k = 2 * q**2 / (q**2 + magnitude**2)", "k = q**2 / (q**2 + magnitude**2)")],
     ),
-    "contraction radius: c² instead of c": (
+    "contraction radius: c² instead of c": Named(
         "trainer/losses.py",
         [(_BOUNDS, _BOUNDS.replace("c_low,", "c_low**2,").replace("c_high,", "c_high**2,"))],
     ),
-    "sequence-level gate: mean |d| instead of |mean d|": (
+    "sequence-level gate: mean |d| instead of |mean d|": Named(
         "trainer/losses.py",
         [(_STALENESS, "staleness = ((logprobs - behaviour).abs() * weights).sum(-1) / lengths")],
     ),
-    "sequence-level gate: largest token |d|": (
+    "sequence-level gate: largest token |d|": Named(
         "trainer/losses.py",
         [(_STALENESS, "staleness = torch.where(mask, (logprobs - behaviour).abs(), 0.0).amax(-1)")],
     ),
-    "sequence-level gate: rows without tokens in the quantile": (
+    "sequence-level gate: rows without tokens in the quantile": Named(
         "trainer/losses.py",
         [(_GSPO_BOUNDS, _GSPO_BOUNDS.replace("present,", "torch.ones_like(present),"))],
     ),
-    "asymmetric epsilons swapped (SAT)": (
+    "asymmetric epsilons swapped (SAT)": Named(
         "trainer/losses.py",
         [
             (
@@ -103,7 +119,7 @@ NAMED_MUTANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
             )
         ],
     ),
-    "asymmetric epsilons swapped (token losses)": (
+    "asymmetric epsilons swapped (token losses)": Named(
         "trainer/losses.py",
         [
             (
@@ -116,14 +132,14 @@ NAMED_MUTANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
             ),
         ],
     ),
-    "asymmetric epsilons swapped (GSPO)": (
+    "asymmetric epsilons swapped (GSPO)": Named(
         "trainer/losses.py",
         [
             ("sequence_log_ratio, 1 - clip.eps_low)", "sequence_log_ratio, 1 - clip.eps_high)"),
             ("sequence_log_ratio, 1 + clip.eps_high)", "sequence_log_ratio, 1 + clip.eps_low)"),
         ],
     ),
-    "padding counted in the quantile": (
+    "padding counted in the quantile": Named(
         "trainer/losses.py",
         [
             (
@@ -132,7 +148,7 @@ NAMED_MUTANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
             )
         ],
     ),
-    "GSPO's mean counting empty rows": (
+    "GSPO's mean counting empty rows": Named(
         "trainer/losses.py",
         [
             (
@@ -141,15 +157,15 @@ NAMED_MUTANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
             )
         ],
     ),
-    "PACE's group score the max instead of the mean": (
+    "PACE's group score the max instead of the mean": Named(
         "trainer/pool.py",
         [(_SCORE, "score = np.maximum.reduceat(s_eff, starts)")],
     ),
-    "PACE's group score the sum instead of the mean": (
+    "PACE's group score the sum instead of the mean": Named(
         "trainer/pool.py",
         [(_SCORE, "score = np.add.reduceat(s_eff, starts)")],
     ),
-    "PACE draws the lowest S_eff first instead of in arrival order": (
+    "PACE draws the lowest S_eff first instead of in arrival order": Named(
         "trainer/pool.py",
         [
             (
@@ -159,8 +175,22 @@ NAMED_MUTANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
             )
         ],
     ),
+    "replayed routes given the live gate weights": Named(
+        "trainer/replay.py",
+        [("scores = weights(module, logits, chosen)", "scores = weights(module, logits, live)")],
+    ),
+    "SAT's threshold for later updates taken at the proximal weights": Named(
+        "trainer/learner.py",
+        [("if proximal is not None and not moved:", "if proximal is not None:")],
+        (f"{_UPDATES}::test_each_later_update_takes_sats_quantile_at_its_own_weights",),
+    ),
+    "sequence-mean losses divided by the token count": Named(
+        "trainer/learner.py",
+        [(_DENOMINATOR, "denominator = float(tokens)")],
+        (f"{_UPDATES}::test_the_accumulated_gradient_divides_by_the_batchs_sequences_or_tokens_by_hand",),
+    ),
 }
-"""Hand-written mutants: name -> (file, [(original text, replacement)]), each original found exactly once."""
+"""Hand-written mutants by name (`Named`): the wrong edits issues 14 and 27 name."""
 
 KILLED = {1, 3, 37}  # a test failed (3: pytest's internal error), or the type check caught it
 TIMEOUT = {36, 24, -24, 152, 255}  # ran past the CPU-time limit (SIGXCPU)
@@ -211,10 +241,15 @@ def describe(path: str, mutant: str, spans: dict[str, tuple[int, int]]) -> str:
 
 
 def check_named() -> list[str]:
-    """Run `TESTS` against each of `NAMED_MUTANTS` in a copy of the tree; the names of the survivors.
-    The unmutated copy runs first and must pass, so that a broken copy cannot pass for a kill."""
+    """Run each of `NAMED_MUTANTS` against its tests in a copy of the tree; the names of the survivors.
+    The unmutated copy runs first, with every named mutant's tests, and must pass, so that a broken
+    copy cannot pass for a kill."""
+    everything = tuple(dict.fromkeys(test for mutant in NAMED_MUTANTS.values() for test in mutant.tests))
     survivors = []
-    for name, (path, edits) in {"(control: no mutation)": ("trainer/losses.py", []), **NAMED_MUTANTS}.items():
+    for name, (path, edits, tests) in {
+        "(control: no mutation)": Named("trainer/losses.py", [], everything),
+        **NAMED_MUTANTS,
+    }.items():
         with tempfile.TemporaryDirectory(prefix="named-mutant-") as scratch:
             tree = Path(scratch)
             shutil.copytree("trainer", tree / "trainer")
@@ -228,7 +263,7 @@ def check_named() -> list[str]:
             (tree / path).write_text(text)
             # The copy's trainer comes first on the path; the other packages import as installed.
             env = os.environ | {"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-            command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS]
+            command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
             run = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=False)
             failed = [line.split("::", 1)[1] for line in run.stdout.splitlines() if line.startswith("FAILED")]
             if not edits:

@@ -21,7 +21,7 @@ from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Origin, Status, Trajectory
 from trainer.batch import collate, forward_logprobs
 from trainer.learner import Learner, LearnerConfig
-from trainer.replay import routing_replay
+from trainer.replay import check_routes, routing_replay
 
 SAMPLING = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3)
 PROMPTS = [[5, 17, 40, 41, 9], [7, 8, 100, 101, 102, 103, 12], [30, 31, 32]]
@@ -217,13 +217,28 @@ def test_replay_validates_its_data_and_always_restores_the_model() -> None:
         pass
     with pytest.raises(ValueError, match=r"\[0, 8\)"), routing_replay(model, good + 7, replay):
         pass
+    one_past = good.clone()
+    one_past[0, 3, 1, 1] = 8  # the first id past the last expert
+    with pytest.raises(ValueError, match=r"\[0, 8\), got 8$"), routing_replay(model, one_past, replay):
+        pass
     twice = torch.zeros_like(good)
-    with pytest.raises(ValueError, match="same expert twice"), routing_replay(model, twice, replay):
+    message = "^a recorded route names the same expert twice for one token and layer$"
+    with pytest.raises(ValueError, match=message), routing_replay(model, twice, replay):
+        pass
+    # top_k = 3: a repeat past the first pair of a sorted row, [0, 1, 1]
+    three = model_of(top_k=3)
+    repeated = torch.tensor([[0, 1, 2], [0, 1, 1]]).expand(1, 4, 2, 3).clone()
+    with pytest.raises(ValueError, match=message), routing_replay(three, repeated, replay):
         pass
     with pytest.raises(ValueError, match="integer"), routing_replay(model, good.float(), replay):
         pass
-    with pytest.raises(ValueError, match="saw 8"), routing_replay(model, good, replay):
-        model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]]))
+    shape = r"replay mask must be bool of shape \(1, 4\), got"
+    with pytest.raises(ValueError, match=shape), routing_replay(model, good, replay.int()):
+        pass
+    with pytest.raises(ValueError, match=shape):  # routing_replay takes the shape from the mask itself
+        check_routes(good, replay[:, :3], ids.shape, moe_info(model))
+    with pytest.raises(ValueError, match="saw 5: run exactly"), routing_replay(model, good, replay):
+        model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]))
     with pytest.raises(RuntimeError, match="boom"), routing_replay(model, good, replay):
         raise RuntimeError("boom")
     assert all(not gate._forward_hooks for gate in gates)
@@ -286,31 +301,51 @@ def test_replayed_experts_get_the_live_logits_gate_weights_by_hand(family: str) 
 
     model = build_tiny(family)
     info = moe_info(model)
-    gate = info.gates[0]
-    weight = gate.get_parameter("weight")
-    experts, hidden_size = info.num_experts, weight.shape[1]
-    with torch.no_grad():  # the router's logits are the first `experts` entries of its input
-        weight.copy_(torch.eye(experts, hidden_size))
-        if family == "deepseek_v3":  # the bias only steers the choice; 0 keeps the live top-2 at 0, 1
-            gate.get_buffer("e_score_correction_bias").zero_()
-    hidden = torch.zeros(3, hidden_size)
-    hidden[:, :experts] = torch.tensor(LOGITS[:experts])
-    with torch.no_grad():
-        _, live_scores, live_chosen = gate(hidden)
-    assert sorted(live_chosen[0].tolist()) == [0, 1]
+    experts, layers = info.num_experts, info.num_layers
     recorded = torch.tensor([[2, 3], [1, 0], [4, 5]])  # the third row is not replayed
-    routes = recorded[None, :, None, :].expand(1, 3, info.num_layers, 2).clone()
+    routes = recorded[None, :, None, :].expand(1, 3, layers, 2).clone()
     replay = torch.tensor([[True, True, False]])
-    with routing_replay(model, routes, replay) as stats:
-        logits, scores, chosen = gate(hidden)
     first, second, grad = GATE_CASES[family]
-    torch.testing.assert_close(logits, hidden[:, :experts], rtol=0, atol=0)
-    assert chosen[:2].tolist() == [[2, 3], [1, 0]]
-    assert torch.equal(chosen[2], live_chosen[2])
-    torch.testing.assert_close(scores[:2], torch.tensor([first, second]), rtol=0, atol=1e-6)
-    torch.testing.assert_close(scores[2], live_scores[2], rtol=0, atol=0)  # the live router's own
-    assert (stats.replayed_rows, stats.disagreeing_rows, stats.layers_seen) == (2, 1, {0})
-    torch.autograd.backward(scores[0, 0])
-    assert weight.grad is not None
-    expected = torch.outer(torch.tensor(grad), hidden[0])  # d w / d weight = d w / d logits ⊗ input
-    torch.testing.assert_close(weight.grad, expected, rtol=0, atol=1e-6)
+    hidden = torch.zeros(3, info.gates[0].get_parameter("weight").shape[1])
+    hidden[:, :experts] = torch.tensor(LOGITS[:experts])
+    with torch.no_grad():  # every router's logits are the first `experts` entries of its input
+        for gate in info.gates:
+            gate.get_parameter("weight").copy_(torch.eye(experts, hidden.shape[1]))
+            if family == "deepseek_v3":  # the bias only steers the choice; 0 keeps the top-2 at 0, 1
+                gate.get_buffer("e_score_correction_bias").zero_()
+        live = [gate(hidden) for gate in info.gates]
+    with routing_replay(model, routes, replay) as stats:
+        for gate, (_, live_scores, live_chosen) in zip(info.gates, live, strict=True):
+            logits, scores, chosen = gate(hidden)
+            assert sorted(live_chosen[0].tolist()) == [0, 1]
+            torch.testing.assert_close(logits, hidden[:, :experts], rtol=0, atol=0)
+            assert chosen[:2].tolist() == [[2, 3], [1, 0]]
+            assert torch.equal(chosen[2], live_chosen[2])
+            torch.testing.assert_close(scores[:2], torch.tensor([first, second]), rtol=0, atol=1e-6)
+            torch.testing.assert_close(scores[2], live_scores[2], rtol=0, atol=0)  # the live router's own
+            weight = gate.get_parameter("weight")
+            torch.autograd.backward(scores[0, 0])
+            assert weight.grad is not None
+            expected = torch.outer(torch.tensor(grad), hidden[0])  # d w / d weight = d w / d logits ⊗ input
+            torch.testing.assert_close(weight.grad, expected, rtol=0, atol=1e-6)
+    # Each layer adds its two replayed positions, one of which (the first) disagrees with the live choice.
+    assert (stats.replayed_rows, stats.disagreeing_rows) == (2 * layers, layers)
+    assert stats.layers_seen == set(range(layers)) and stats.disagreement == 0.5
+
+
+def test_replaying_the_live_choice_gives_the_live_weights_bit_for_bit_in_bfloat16() -> None:
+    """A bfloat16 model: the routers compute their softmax in float32 and hand the experts bfloat16
+    weights; replayed weights come back in the router's dtype, so replaying its own choice gives its
+    own weights to the last bit."""
+    model = model_of().to(torch.bfloat16)
+    info = moe_info(model)
+    hidden = torch.randn(6, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        live = [gate(hidden) for gate in info.gates]
+        routes = torch.stack([chosen for _, _, chosen in live], dim=1).reshape(1, 6, info.num_layers, 2)
+        with routing_replay(model, routes, torch.ones(1, 6, dtype=torch.bool)) as stats:
+            replayed = [gate(hidden) for gate in info.gates]
+    assert stats.replayed_rows == 6 * info.num_layers and stats.disagreeing_rows == 0
+    for (_, live_scores, live_chosen), (_, scores, chosen) in zip(live, replayed, strict=True):
+        assert scores.dtype == live_scores.dtype == torch.bfloat16
+        assert torch.equal(scores, live_scores) and torch.equal(chosen, live_chosen)
