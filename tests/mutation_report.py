@@ -1,13 +1,14 @@
 """The mutation score of `make mutate` (docs/mutation.md), read from mutmut's results in mutants/.
 
-Counts mutmut's mutants in scope per file: every function of trainer/losses.py and trainer/advantages.py,
-and the budget, ranking and draw/reject functions of trainer/pool.py (`POOL_SCOPE`; mutmut mutates the
-whole file, the rest of it is out of scope and not run). Killed = a test failed, or the mutant ran past
-mutmut's time limit (an infinite loop); the score is killed over all in-scope mutants, so a mutant that
-no selected test reaches counts as a survivor. Prints each survivor with its source line and the
-mutation. Then applies `NAMED_MUTANTS`, the wrong edits issue 14 names (mutmut's operators do not make
-all of them), one at a time to a copy of the tree, and runs the same tests on each. Exits 1 when a mutant
-in scope was not run, the score is below `--min-score`, or a named mutant survives.
+Counts mutmut's mutants in scope per file: every function of trainer/losses.py, trainer/advantages.py and
+trainer/replay.py, and the budget, ranking and draw/reject functions of trainer/pool.py (`POOL_SCOPE`;
+mutmut mutates the whole file, the rest of it is out of scope and not run). Killed = a test failed, or
+the mutant ran past mutmut's time limit (an infinite loop); the score is killed over all in-scope
+mutants, so a mutant that no selected test reaches counts as a survivor. Prints each survivor with its
+source line and the mutation. Then applies `NAMED_MUTANTS`, the wrong edits issues 14 and 27 name
+(mutmut's operators do not make all of them), one at a time to a copy of the tree, and runs each one's
+tests on it. Exits 1 when a mutant in scope was not run, the score is below `--min-score`, or a named
+mutant survives.
 
 Run from the repository root after `mutmut run` (the Makefile's `mutate` target does both).
 """
