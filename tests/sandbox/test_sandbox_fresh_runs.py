@@ -300,6 +300,74 @@ def test_a_sandbox_killed_while_it_starts_leaves_no_process(kind: str) -> None:
         assert wait_until(lambda: not marked(marker)), f"processes outlived their kill: {marked(marker)}"
 
 
+def hold_bubblewrap_before_its_child_goes(monkeypatch: pytest.MonkeyPatch, after: int = 0) -> None:
+    """From the (`after` + 1)-th sandbox on, bubblewrap reports its child on a pipe the host does not read
+    (the sandbox's start signal) and then waits, on the sandbox's stdin (which gets no job), before it
+    lets the child go on: the state a kill racing bubblewrap's start finds, held as long as a test needs,
+    whatever the machine's speed. (Bubblewrap takes no such wait together with --disable-userns; a
+    held sandbox never runs code.)"""
+    real = LocalBackend._bwrap_argv
+    calls = [0]
+
+    def held(self: LocalBackend, launcher_args: list[str], limits: Limits, info_fd: int) -> list[str]:
+        calls[0] += 1
+        if calls[0] <= after:
+            return real(self, launcher_args, limits, info_fd)
+        argv = [
+            arg
+            for arg in real(self, launcher_args, limits, int(launcher_args[1]))
+            if arg != "--disable-userns"
+        ]
+        return [argv[0], "--userns-block-fd", "0", *argv[1:]]
+
+    monkeypatch.setattr(LocalBackend, "_bwrap_argv", held)
+
+
+def held_children(marker: str) -> list[int]:
+    """Bubblewrap's children that await its go: copies of a bubblewrap process (the same command
+    line, `marker` in it) whose parent is that process; once let go, a child execs the zygote."""
+    found = marked(marker)
+    return [child for pid in found for child in children_of(pid) if child in found]
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_killing_a_sandbox_whose_child_awaits_bubblewraps_go_leaves_no_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    marker, bind = marker_bind()
+    hold_bubblewrap_before_its_child_goes(monkeypatch)
+    with Sandbox("local", isolation="bwrap", ro_binds=(bind,), warm_pool=0) as box:
+        backend = backend_of(box)
+        assert isinstance(backend, LocalBackend)
+
+        for _ in range(3):
+            started = box._loop.submit(backend._spawn_for(_oneshot_key(Limits()))).result(timeout=60)
+            assert wait_until(lambda: bool(held_children(marker))), "bubblewrap cloned no child"
+            box._loop.submit(started.close()).result(timeout=60)
+        assert wait_until(lambda: not marked(marker)), f"processes outlived their kill: {marked(marker)}"
+
+
+def test_closing_while_the_pool_holds_a_starting_sandbox_leaves_no_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    marker, bind = marker_bind()
+    hold_bubblewrap_before_its_child_goes(monkeypatch, after=1)  # the run's own sandbox starts
+    box = Sandbox("local", isolation="bwrap", ro_binds=(bind,), warm_pool=2)
+    try:
+        assert box.run("print(1)").stdout == "1\n"  # then the pool starts the next sandbox: held
+        # Held: bubblewrap's child, a copy of bubblewrap still (its command line), awaits the go.
+        assert wait_until(lambda: bool(held_children(marker))), "no sandbox was held"
+    finally:
+        box.close()
+    assert wait_until(lambda: not marked(marker)), f"processes outlived close(): {marked(marker)}"
+
+
 KILLED_HOST = """
 import sys, time
 from sandbox import Sandbox
