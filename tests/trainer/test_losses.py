@@ -408,6 +408,10 @@ def test_entropy_by_hand() -> None:
     # temperature 2 flattens softmax([ln 4, 0]) = (0.8, 0.2) to softmax([ln 2, 0]) = (2/3, 1/3)
     hot = entropy_from_logits(torch.tensor([[[math.log(4), 0.0]]]), torch.ones(1, 1, dtype=torch.bool), 2.0)
     _close(hot, -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3)))
+    # every token banned: no distribution, so a NaN entropy; not a refusal, which is kept for NaN or +inf
+    # logits (the NaN entropy alone must not raise: only then are the rows searched)
+    banned = entropy_from_logits(torch.full((1, 1, 3), -math.inf), torch.ones(1, 1, dtype=torch.bool))
+    assert bool(torch.isnan(banned))
 
 
 def test_token_logprobs_by_hand() -> None:
