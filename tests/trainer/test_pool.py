@@ -153,7 +153,7 @@ def test_admission_capacity_by_hand() -> None:
     assert admission_capacity(running_groups=3, accepted_groups=20, weight_lag=1, **common) == 1
     assert admission_capacity(running_groups=3, accepted_groups=20, weight_lag=3, **common) == 0
     assert admission_capacity(running_groups=3, accepted_groups=10, weight_lag=2, **common) == 7  # 20 - 13
-    with pytest.raises(ValueError, match="weight_lag"):
+    with pytest.raises(ValueError, match=r"^weight_lag must be >= 0, got -1$"):
         admission_capacity(running_groups=3, accepted_groups=20, weight_lag=-1, **common)
     with pytest.raises(ValueError, match="trainer_steps"):
         admission_capacity(running_groups=0, accepted_groups=0, **{**common, "trainer_steps": -1})
