@@ -39,7 +39,7 @@ from pacerl.lab.emulated import clock_config, train_emulated
 from pacerl.parallel import is_learner_rank, serve_rank
 from pacerl.plots import plot_run
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
-from trainer.loop import Run, RunFailedError, train_async, train_sync
+from trainer.loop import Run, train_async, train_sync
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,10 @@ SUMMARY_FILE = "summary.json"
 
 async def train(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     """Run training to `config.loop.steps` (continuing the run directory's latest checkpoint when
-    `resume`). Ctrl-C or SIGTERM saves a checkpoint and returns early. What the env's tools need is
-    started for the run (`ToolEnv.services`: the Search env's retriever unless `env.retriever_url` names
-    one)."""
+    `resume`); a run that updated the weights in none of its steps says so under `failure` in the
+    summary (`loop.require_update`). Ctrl-C or SIGTERM saves a checkpoint and returns early. What the
+    env's tools need is started for the run (`ToolEnv.services`: the Search env's retriever unless
+    `env.retriever_url` names one)."""
     if config.learner.parallel == "fsdp" and config.runtime != "ray" and is_learner_rank():
         serve_rank()  # a torchrun rank > 0: rank 0 runs the run, this rank holds a shard of the learner
         return {}
@@ -148,11 +149,9 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
         summary["interrupted"] = True
     summary["seconds"] = time.monotonic() - started
     nothing = None if run.stopping else run.trained_nothing()
-    if nothing is not None:
+    if nothing is not None:  # `pacerl train` exits 2 with it: a pipeline must not take it for success
         summary["failure"] = nothing
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    if nothing is not None:  # the outputs are written, but a pipeline must not take this for success
-        raise RunFailedError(f"{nothing}; outputs in {run_dir}")
     return summary
 
 
@@ -255,6 +254,9 @@ def main_train(config_path: str | None, overrides: list[str], resume: str | None
         )
         return 130
     print(report(summary, Path(config.run_dir)))
+    if summary.get("failure"):
+        print(f"pacerl: error: {summary['failure']} (loop.require_update)", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -37,9 +37,17 @@ def free_port() -> int:
 class ThreadServer:
     """uvicorn serving `app` on 127.0.0.1 on a daemon thread of this process."""
 
-    def __init__(self, app: fastapi.FastAPI, port: int | None = None, lifespan: str = "auto") -> None:
-        port = port or free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan)
+    def __init__(
+        self,
+        app: fastapi.FastAPI,
+        port: int | None = None,
+        lifespan: str = "auto",
+        config: uvicorn.Config | None = None,
+    ) -> None:
+        port = config.port if config is not None else port or free_port()
+        if config is None:
+            config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan)
+        self.port = port
         self.server = uvicorn.Server(config)
         self.url = f"http://127.0.0.1:{port}"
         self._thread = threading.Thread(target=self.server.run, daemon=True)

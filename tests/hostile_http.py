@@ -9,14 +9,11 @@ from __future__ import annotations
 import json
 import select
 import socket
-import threading
 import time
 from typing import Any
 
-import uvicorn
-
 from sandbox._http_guard import ErrorBody, HttpGuardConfig, detail_body, uvicorn_config
-from tests.helpers import free_port
+from tests.helpers import ThreadServer, free_port
 
 PATIENCE_S = 20.0
 """How long a client waits for the server to answer or close, far past every timeout under test."""
@@ -196,29 +193,13 @@ def open_silent_connections(port: int, count: int) -> list[socket.socket]:
     return opened
 
 
-class GuardedServer:
+class GuardedServer(ThreadServer):
     """`app` served as `sandbox._http_guard.run_server` serves it (the guard's protocol, connection cap
     and header cap, `error_body` for the answers the protocol writes itself), on a daemon thread of
     this process, at 127.0.0.1:`port`."""
 
     def __init__(self, app: Any, guard: HttpGuardConfig, error_body: ErrorBody = detail_body) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn_config(
-            app, "127.0.0.1", self.port, guard, error_body=error_body, log_level="warning"
+            app, "127.0.0.1", free_port(), guard, error_body=error_body, log_level="warning"
         )
-        self.server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> GuardedServer:
-        self._thread.start()
-        deadline = time.monotonic() + 30  # a hang guard: uvicorn starts in well under a second
-        while not self.server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"uvicorn did not start on {self.url}")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self._thread.join(timeout=10)
+        super().__init__(app, config=config)

@@ -62,6 +62,10 @@ class LoopConfig:
     no group finishing in between, before the run stops with `RunFailedError` naming the last failure
     (a dead engine or env): each failed engine call is already retried with backoff
     (`rollout.engine_retries`), so this bounds how long a run relaunches groups that cannot finish. >= 1."""
+    require_update: bool = True
+    """A run that takes steps but changes the weights in none of them (every batch skipped: equal
+    rewards, nothing trainable) reports it as its failure (`Run.trained_nothing`; `pacerl train` exits
+    2 once its outputs are written); false for a smoke run meant only to exercise the pipeline."""
     max_untrainable_batches: int = 3
     """Batches in a row without a trainable trajectory (none ended with a model token and a reward)
     before the run stops with `RunFailedError` naming how the episodes ended (e.g. a context budget
@@ -351,10 +355,12 @@ class Run:
         )
 
     def trained_nothing(self) -> str | None:
-        """Why this invocation trained nothing although it took steps (every step skipped), or None."""
-        if not self.steps_run or self.updated_steps:
+        """Why this invocation trained nothing although it took steps (every step skipped), or None (also
+        when `require_update` is off)."""
+        if not self.config.require_update or not self.steps_run or self.updated_steps:
             return None
-        skipped = ", ".join(f"{reason} ×{count}" for reason, count in self.learner.counts.most_common(4))
+        counts = [(reason, count) for reason, count in self.learner.counts.most_common() if count]
+        skipped = ", ".join(f"{reason} ×{count}" for reason, count in counts[:4])
         return (
             f"trained nothing: all {self.steps_run} steps were skipped ({skipped or 'no reason recorded'}), "
             f"the policy is still version {self.learner.version}"

@@ -70,6 +70,7 @@ FIXED_SETTINGS: dict[str, str] = {
     "seed": "--seeds",
     "run_dir": "--out",
     "threads": "--parallel",
+    "loop.require_update": "the sweep (a point that trains nothing is a result, not an error)",
 }
 """Keys `pacerl calibrate` sets on every point, with what sets them (an override of one is an error)."""
 
@@ -235,6 +236,7 @@ def point_settings(point: GridPoint, options: Options, run_dir: Path, extra: Map
         "seed": point.seed,
         "run_dir": str(run_dir),
         "threads": max(1, available_cpus() // options.parallel),
+        "loop.require_update": False,
     }
     pairs = [f"{key}={json.dumps(value)}" for key, value in DEFAULT_SETTINGS.items()]
     pairs += options.overrides

@@ -138,8 +138,13 @@ def test_the_cli_evaluates_and_trains_a_users_env(user_module: Path, tmp_path: P
     assert unevaluated.returncode != 0 and "evaluation.tasks" in unevaluated.stderr
     assert not run_dir.exists()  # refused before anything was written
     trained = cli(user_module, "train", *settings, f"evaluation.tasks={tasks}")
-    assert trained.returncode == 0, trained.stderr
+    # A random-init model with no warm start draws reward 0 everywhere: every step is skipped, so the run
+    # writes its outputs and report, then exits 2 naming it (a pipeline must not take it for success).
+    assert trained.returncode == 2, trained.stderr
+    assert trained.stderr.strip().splitlines()[-1].startswith("pacerl: error: trained nothing: all 2 steps")
+    assert "trained 2 steps (policy version 0)" in trained.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["failure"].startswith("trained nothing") and summary["updated_steps"] == 0
     assert summary["step"] == 2 and summary["evaluations"][-1]["step"] == 2
     assert 0.0 <= summary["evaluations"][-1]["eval/accuracy"] <= 1.0
     assert not (run_dir / "warm_start").exists()  # nothing to demonstrate: no warm start

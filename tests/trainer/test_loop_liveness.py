@@ -344,7 +344,7 @@ async def test_batches_with_nothing_to_train_on_end_the_run_with_one_line(tmp_pa
 
 async def test_a_run_whose_every_step_was_skipped_says_it_trained_nothing(tmp_path: Path) -> None:
     learner = FakeLearner(skips=range(1, STEPS + 1))
-    learner.counts["zero_advantage"] = 7  # what the learner counted on the way
+    learner.counts.update(zero_advantage=7, failed_member=0)  # what the learner counted; 0s are not named
     run = make_run(tmp_path, filter_config("none", 0), learner)
     summary = await run_bounded(run)
     assert (summary["steps_run"], summary["updated_steps"]) == (STEPS, 0)
@@ -355,3 +355,11 @@ async def test_a_run_whose_every_step_was_skipped_says_it_trained_nothing(tmp_pa
     once = make_run(tmp_path / "once", filter_config("none", 0), FakeLearner(skips=range(2, STEPS + 1)))
     await run_bounded(once)
     assert once.trained_nothing() is None and once.updated_steps == 1
+    smoke = make_run(
+        tmp_path / "smoke",
+        filter_config("none", 0),
+        FakeLearner(skips=range(1, STEPS + 1)),
+        require_update=False,
+    )
+    await run_bounded(smoke)
+    assert smoke.trained_nothing() is None and smoke.updated_steps == 0
