@@ -233,10 +233,12 @@ async def evaluate(
     num_experts: int = 0,
     label: str = "",
     on_group: Callable[[Sequence[Trajectory]], None] | None = None,
+    on_episode: Callable[[int], None] | None = None,
 ) -> EvalReport:
     """Play `config.samples` episodes of each task (the first `max_tasks`) with `engine` through the
     rollout driver and score them per episode. `on_group` sees each task's finished episodes (to keep
-    transcripts). The engine is left open."""
+    transcripts), `on_episode` the tokens each episode generated as it ends (progress). The engine is
+    left open."""
     config = config or EvalConfig()
     chosen = list(tasks[: config.max_tasks] if config.max_tasks is not None else tasks)
     if not chosen:
@@ -244,6 +246,9 @@ async def evaluate(
     if len({task.id for task in chosen}) != len(chosen):
         raise ValueError("task ids must be unique: each task's samples are one group named by its id")
     driver = RolloutDriver(engine, tokenizer, make_env, config.rollout_config(), num_experts=num_experts)
+    if on_episode is not None:
+        report_episode = on_episode
+        driver.on_episode = lambda trajectory: report_episode(trajectory.num_model_tokens)
     slots = asyncio.Semaphore(config.max_concurrent_tasks)
 
     async def play(task: Task) -> list[Trajectory]:

@@ -37,6 +37,7 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+from agents.gguf import checkpoint_source
 from agents.tokenizer import tiny_tokenizer
 
 Family = Literal["qwen3_moe", "mixtral"]
@@ -219,9 +220,12 @@ def load_model(
     dtype: torch.dtype | Literal["auto"] = torch.float32,
     local_files_only: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """`(model, tokenizer)` from a local checkpoint directory, or from a hub name like `Qwen/Qwen3-30B-A3B`
-    when the hub (or its local cache) has it. The model comes back in eval mode, on the CPU, in `dtype`
-    (`"auto"`: the checkpoint's own). FileNotFoundError names what is missing."""
+    """`(model, tokenizer)` from a local checkpoint directory, a `.gguf` file or a shipped model's short
+    name (`agents.gguf`: converted once into a cached checkpoint directory), or from a hub name like
+    `Qwen/Qwen3-30B-A3B` when the hub (or its local cache) has it. The model comes back in eval mode, on
+    the CPU, in `dtype` (`"auto"`: the checkpoint's own). FileNotFoundError names what is missing,
+    ValueError a file that is no model."""
+    source = checkpoint_source(source)
     directory = Path(source).expanduser()
     from_hub = not directory.exists()
     if not from_hub:

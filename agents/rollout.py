@@ -49,7 +49,7 @@ from agents.engine.protocol import (
 from agents.routing import RoutedExperts
 from agents.trajectory import Origin, Status, Trajectory
 from envs import EpisodeLost, Message, Task
-from envs.chat_template import assistant_message, split_reasoning, takes_reasoning
+from envs.chat_template import assistant_message, render_chat, split_reasoning, takes_reasoning
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,8 @@ class RolloutDriver:
         """Whether the engine is an `EngineWithRoutesStart`; one that is not (a proxy that does not
         forward the argument) answers every row of the stream, of which the driver keeps the new
         ones: the same record, only more bytes on the way."""
+        self.on_episode: Callable[[Trajectory], None] | None = None
+        """Called with each episode's finished record (an evaluation's progress display)."""
         self.last_failure = ""
         """The reason of the latest trajectory that ended `failed` ("" while none has)."""
         self.counts: Counter[str] = Counter()
@@ -229,6 +231,8 @@ class RolloutDriver:
             self.counts[f"reason:{trajectory.status_reason}"] += 1
         if trajectory.status is Status.FAILED:
             self.last_failure = trajectory.status_reason
+        if self.on_episode is not None:
+            self.on_episode(trajectory)
         return trajectory
 
     async def _play(
@@ -457,10 +461,7 @@ class RolloutDriver:
     def _render(
         self, messages: Sequence[Message], tools: list[dict[str, Any]] | None, *, generation_prompt: bool
     ) -> str:
-        text: str = self.tokenizer.apply_chat_template(
-            list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt
-        )
-        return text
+        return render_chat(self.tokenizer, messages, tools, generation_prompt=generation_prompt)
 
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)

@@ -15,7 +15,9 @@ renders the turns after it with it, and an OpenAI-compatible server answers with
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from envs.parsing import (
@@ -150,3 +152,112 @@ def _calls_in(answer: str) -> tuple[list[tuple[str, dict[str, Any]]], str]:
     if parsed.calls and not parsed.errors:
         return [(call.name, call.arguments) for call in parsed.calls], ""
     return [], answer
+
+
+# -- templates without tool support ---------------------------------------------------------------------
+
+TOOLS_IN_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions. Their signatures are within <tools></tools>:\n<tools>"
+    "{schemas}\n</tools>\n\nFor each call, answer with a JSON object within <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+"""The tools block a template without tool support gets in its system message: the words of
+`CHATML_TOOLS_TEMPLATE` (Qwen2.5/Hermes), one JSON schema per line in place of `{schemas}`."""
+
+_PROBE_NAME = "pacerl_probe_tool_7f3a"
+_SENTINEL_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": _PROBE_NAME,
+        "description": "probe",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
+_TOOL_SUPPORT: dict[str, bool] = {}
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether `tokenizer`'s chat template writes the `tools` it is given (rendered once with a probe
+    tool whose name must appear; a template that fails on it has no tool support). Cached per template."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return False
+    if template not in _TOOL_SUPPORT:
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tools=[_SENTINEL_TOOL], tokenize=False
+            )
+        except Exception:  # any template error means it cannot take tools
+            text = ""
+        _TOOL_SUPPORT[template] = isinstance(text, str) and _PROBE_NAME in text
+    return _TOOL_SUPPORT[template]
+
+
+def tools_in_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with `tools` written into them for a template without tool support, in the one
+    format of `CHATML_TOOLS_TEMPLATE`: the tools block (`TOOLS_IN_SYSTEM`) ends the system message (a new
+    one when there is none), an assistant message's structured `tool_calls` are written after its content
+    as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, and tool results become one user turn
+    per run of consecutive `tool` messages, each wrapped in `<tool_response></tool_response>`."""
+    block = TOOLS_IN_SYSTEM.format(
+        schemas="".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+    )
+    if messages and messages[0].get("role") == "system":
+        system = str(messages[0].get("content") or "")
+        head = [{"role": "system", "content": f"{system}\n\n{block}" if system else block}]
+        rest = messages[1:]
+    else:
+        head, rest = [{"role": "system", "content": block}], messages
+    out: list[dict[str, Any]] = list(head)
+    for message in rest:
+        role = message.get("role")
+        if role == "tool":
+            response = "\n<tool_response>\n" + str(message.get("content") or "") + "\n</tool_response>"
+            if out and out[-1].get("role") == "user" and out[-1].get("_tool_results"):
+                out[-1] = {**out[-1], "content": out[-1]["content"] + response}
+            else:
+                out.append({"role": "user", "content": response.removeprefix("\n"), "_tool_results": True})
+            continue
+        if role == "assistant" and message.get("tool_calls"):
+            text = str(message.get("content") or "")
+            for call in message["tool_calls"]:
+                function = call.get("function", call)
+                arguments = function["arguments"]
+                arguments = (
+                    arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+                )
+                written = (
+                    '<tool_call>{"name": '
+                    + json.dumps(function["name"], ensure_ascii=False)
+                    + ', "arguments": '
+                    + arguments
+                    + "}</tool_call>"
+                )
+                text = f"{text}\n{written}" if text else written
+            message = {key: value for key, value in message.items() if key != "tool_calls"} | {
+                "content": text
+            }
+        out.append(message)
+    return [{k: v for k, v in message.items() if k != "_tool_results"} for message in out]
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None,
+    *,
+    generation_prompt: bool,
+) -> str:
+    """`tokenizer.apply_chat_template(messages, tools=tools)` as text; a template that cannot write
+    tools gets them in the messages instead (`tools_in_messages`), so every checkpoint sees its tools
+    and calls them in a format the envs parse."""
+    listed = list(messages)
+    schemas = list(tools) if tools else None
+    if schemas and not renders_tools(tokenizer):
+        listed, schemas = tools_in_messages(listed, schemas), None
+    text = tokenizer.apply_chat_template(
+        listed, tools=schemas, tokenize=False, add_generation_prompt=generation_prompt
+    )
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) gave a {type(text).__name__}")
+    return text

@@ -35,8 +35,10 @@ class ModelSpec:
     """Which model to train."""
 
     path: str | None = None
-    """A model directory (`agents.models.save_model` layout, or any local transformers MoE
-    checkpoint); None builds the tiny MoE from `tiny`."""
+    """A model directory (`agents.models.save_model` layout, or any local transformers checkpoint, dense
+    or MoE), a `.gguf` file, or a shipped model's short name (`smollm2-135m`: SmolLM2-135M-Instruct,
+    installed by `make`); a GGUF is converted once into a cached checkpoint (`agents.gguf`). None builds
+    the tiny MoE from `tiny`."""
     tiny: TinyMoEConfig = field(default_factory=TinyMoEConfig)
     """Shape of the tiny MoE built when `path` is None."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Mapping
 from typing import Self
 
@@ -16,9 +17,11 @@ class ProgressDisplay:
     """A progress bar labelled `label` with a status text on a terminal; without one (CI logs, pipes) a
     log line at the first step, every `log_every` steps (default: a tenth of the total) and at the last."""
 
-    def __init__(self, label: str, total: int, done: int, *, log_every: int | None = None) -> None:
+    def __init__(
+        self, label: str, total: int, done: int, *, log_every: int | None = None, unit: str = "step"
+    ) -> None:
         self.interactive = sys.stderr.isatty()
-        self.label, self.total = label, total
+        self.label, self.total, self.unit = label, total, unit
         self.log_every = log_every or max(1, total // 10)
         self.progress = Progress(
             TextColumn(f"[bold]{label}"),
@@ -40,7 +43,7 @@ class ProgressDisplay:
     def show(self, step: int, status: str) -> None:
         self.progress.update(self.task, completed=step, status=status)
         if not self.interactive and (step in (1, self.total) or step % self.log_every == 0):
-            log.info("%s step %d/%d  %s", self.label, step, self.total, status)
+            log.info("%s %s %d/%d  %s", self.label, self.unit, step, self.total, status)
 
 
 class StepDisplay(ProgressDisplay):
@@ -57,3 +60,21 @@ class StepDisplay(ProgressDisplay):
             f"staleness {scalars.get('staleness/mean_staleness', 0.0):.2f}  "
             f"pool {scalars.get('pool_groups', 0.0):.0f}  v{scalars.get('version', 0.0):.0f}",
         )
+
+
+class EpisodeDisplay(ProgressDisplay):
+    """An evaluation's bar: episodes done of `total`, the generated tokens/s and the time left; a log
+    line at the first episode, every tenth of them and the last without a terminal."""
+
+    def __init__(self, label: str, total: int) -> None:
+        super().__init__(label, total, 0, unit="episode")
+        self.done, self.tokens = 0, 0
+        self.started = time.monotonic()
+
+    def episode(self, generated_tokens: int) -> None:
+        """One more episode ended, having generated `generated_tokens`."""
+        self.done += 1
+        self.tokens += generated_tokens
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        left = elapsed / self.done * (self.total - self.done)
+        self.show(self.done, f"{self.tokens / elapsed:.1f} tokens/s  {left:.0f} s left")

@@ -28,6 +28,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from pacerl.display import EpisodeDisplay
+
 if TYPE_CHECKING:
     from agents.evaluation import EvalConfig, EvalReport
     from envs import Task, ToolEnv
@@ -133,8 +135,11 @@ def main_eval(
         raise ConfigError("--model: name a model directory (model.path), or evaluate a served model "
                           "with engine_backend=openai")  # fmt: skip
     # Checked here: a missing `a/b` path would be taken for a hub name and fetched from the network.
-    if not served and not Path(str(config.model.path)).expanduser().exists():
-        raise ConfigError(f"--model: no model directory at {config.model.path}")
+    from agents.gguf import SHIPPED
+
+    shipped = str(config.model.path) in SHIPPED  # a shipped model's short name, e.g. smollm2-135m
+    if not served and not shipped and not Path(str(config.model.path)).expanduser().exists():
+        raise ConfigError(f"--model: no model directory or .gguf file at {config.model.path}")
     subject = config.model.path if not served else (config.openai.model or config.openai.base_url)
     with contextlib.ExitStack() as stack:
         transcripts = stack.enter_context(_open_for_writing(episodes)) if episodes is not None else None
@@ -299,9 +304,11 @@ def _run_eval(
         probe = make_env()  # the tasks exactly as the env loaded them (as `pacerl train` takes them)
         tasks = probe.tasks
         probe.close()
-        if config.engine_backend == "openai":
-            return await _served(config, make_env, tasks, settings, label, keep)
-        return await _local(config, make_env, tasks, settings, label, keep, loaded)
+        chosen = len(tasks) if settings.max_tasks is None else min(len(tasks), settings.max_tasks)
+        with EpisodeDisplay("eval", chosen * settings.samples) as progress:
+            if config.engine_backend == "openai":
+                return await _served(config, make_env, tasks, settings, label, keep, progress)
+            return await _local(config, make_env, tasks, settings, label, keep, loaded, progress)
 
     return asyncio.run(run())
 
@@ -313,6 +320,7 @@ async def _served(
     settings: EvalConfig,
     label: str,
     keep: Callable[[Sequence[dict[str, Any]]], None],
+    progress: EpisodeDisplay,
 ) -> EvalReport:
     from agents.engine.openai_chat import OpenAIChatClient, evaluate_served
 
@@ -328,6 +336,7 @@ async def _served(
             settings,
             label=label,
             on_group=lambda group: keep([episode.to_json() for episode in group]),
+            on_episode=progress.episode,
         )
     finally:
         await client.aclose()
@@ -341,6 +350,7 @@ async def _local(
     label: str,
     keep: Callable[[Sequence[dict[str, Any]]], None],
     loaded: dict[str, tuple[Any, Any]],
+    progress: EpisodeDisplay,
 ) -> EvalReport:
     """The embedded engine or an SGLang server; `loaded` keeps the model across a suite's benchmarks."""
     from agents.engine.embedded import EmbeddedEngine
@@ -368,6 +378,7 @@ async def _local(
             settings,
             label=label,
             on_group=lambda group: keep([transcript(t, tokenizer) for t in group]),
+            on_episode=progress.episode,
         )
     finally:
         await engine.aclose()

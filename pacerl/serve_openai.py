@@ -46,7 +46,7 @@ from typing import Any, Literal, TypeVar
 
 import pydantic
 
-from envs.chat_template import assistant_message
+from envs.chat_template import assistant_message, render_chat
 from envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from sandbox._http_guard import MIB, HttpGuardConfig, add_guard_flags, guard_from_flags
 
@@ -498,9 +498,7 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
     from jinja2 import TemplateError
 
     try:
-        text: str = tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=True
-        )
+        text = render_chat(tokenizer, messages, tools, generation_prompt=True)
     except (TemplateError, ValueError, TypeError, KeyError) as error:
         raise ApiError(
             400, f"the chat template cannot render these messages: {error}", param="messages"

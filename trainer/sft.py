@@ -23,6 +23,7 @@ from torch.nn import functional
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from envs import Message, Task
+from envs.chat_template import render_chat
 from envs.registry import env_class
 
 IGNORE_INDEX = -100
@@ -165,13 +166,7 @@ def _render(
     *,
     generation_prompt: bool,
 ) -> str:
-    schemas: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools else None
-    text = tokenizer.apply_chat_template(
-        list(messages), tools=schemas, tokenize=False, add_generation_prompt=generation_prompt
-    )
-    if not isinstance(text, str):
-        raise TypeError(f"apply_chat_template(tokenize=False) gave a {type(text).__name__}")
-    return text
+    return render_chat(tokenizer, messages, tools, generation_prompt=generation_prompt)
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

@@ -382,9 +382,11 @@ async def evaluate_served(
     *,
     label: str = "",
     on_group: Callable[[Sequence[ServedEpisode]], None] | None = None,
+    on_episode: Callable[[int], None] | None = None,
 ) -> EvalReport:
     """`agents.evaluation.evaluate` for a served model: `config.samples` episodes of each task (the first
-    `max_tasks`), scored per episode into the same `EvalReport`. From `config` it takes samples,
+    `max_tasks`), scored per episode into the same `EvalReport`; `on_episode` gets each episode's
+    generated tokens as it ends. From `config` it takes samples,
     temperature, max_new_tokens (per answer), max_total_tokens (the conversation's tokens, from the
     server's usage counts), ks, success_threshold, max_tasks, seed (each request's seed derives from it)
     and max_concurrent_tasks; the stop strings and tools are the client's (`OpenAIChatOptions`), and the
@@ -402,9 +404,12 @@ async def evaluate_served(
     async def episode(task: Task, index: int) -> ServedEpisode:
         env = make_env()
         try:
-            return await play_episode(client, env, task, config, f"eval/{task.id}/{index}")
+            played = await play_episode(client, env, task, config, f"eval/{task.id}/{index}")
         finally:
             env.close()
+        if on_episode is not None:
+            on_episode(played.completion_tokens)
+        return played
 
     async def group(task: Task) -> list[ServedEpisode]:
         async with slots:

@@ -183,7 +183,7 @@ def test_search_envs_made_by_the_training_path_reach_the_in_process_retriever() 
 
 
 def test_main_eval_rejects_bad_input_before_running(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=f"no model directory at {tmp_path / 'missing'}"):
+    with pytest.raises(ConfigError, match=f"no model directory or .gguf file at {tmp_path / 'missing'}"):
         main_eval(str(tmp_path / "missing"), "pacerl/Math-v0")
     with pytest.raises(
         ConfigError,

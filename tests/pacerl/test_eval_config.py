@@ -6,6 +6,8 @@ against `pacerl serve openai`."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -91,9 +93,11 @@ def test_the_report_holds_the_resolved_config_and_the_prompt_what_it_says(
 
 
 def test_a_served_model_is_evaluated_through_the_openai_backend(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from agents.models import load_model
+
+    caplog.set_level(logging.INFO, logger="pacerl.display")
 
     model, tokenizer = load_model(model_dir)
     monkeypatch.setenv(KEY_VARIABLE, "served-key")
@@ -116,6 +120,9 @@ def test_a_served_model_is_evaluated_through_the_openai_backend(
     served = [json.loads(line) for line in episodes.read_text().splitlines()]
     assert len(served) == 4 and all(e["turns"] >= 1 for e in served)
     assert all(any(m["role"] == "assistant" for m in e["messages"]) for e in served)
+    progress = [r.getMessage() for r in caplog.records if r.name == "pacerl.display"]
+    assert [line.split("  ")[0] for line in progress] == [f"eval episode {k}/4" for k in (1, 2, 3, 4)]
+    assert all(re.search(r"  \d+\.\d tokens/s  \d+ s left$", line) for line in progress), progress
 
 
 def test_a_dead_server_is_counted_not_hung_and_training_refuses_the_backend(tmp_path: Path) -> None:
