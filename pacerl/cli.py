@@ -158,6 +158,32 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return main_sft(args.config, args.overrides, args.out)
 
 
+_ROUTER_STD = 0.02
+"""agents.upcycle.DEFAULT_ROUTER_STD as --help shows it, without importing torch for every command (a test
+checks they agree)."""
+
+
+def cmd_upcycle(args: argparse.Namespace) -> int:
+    """`pacerl upcycle --model DIR_OR_GGUF --experts E --top-k K --out DIR`: a Mixtral-layout MoE whose
+    experts are copies of the dense model's MLPs (agents.upcycle), saved with the model's tokenizer."""
+    from agents.models import load_model, parameter_count, save_model
+    from agents.upcycle import DEFAULT_ROUTER_STD, upcycle_to_mixtral
+
+    std = DEFAULT_ROUTER_STD if args.router_std is None else args.router_std
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} exists and is not an empty directory")
+    dense, tokenizer = load_model(args.model, dtype="auto")  # keep the checkpoint's dtype
+    moe = upcycle_to_mixtral(dense, args.experts, args.top_k, router_init_std=std, seed=args.seed)
+    save_model(moe, tokenizer, out)
+    before, after = parameter_count(dense) / 1e6, parameter_count(moe) / 1e6
+    print(
+        f"pacerl: upcycled {args.model} ({before:.1f}M parameters) to {args.experts} experts, "
+        f"top-{args.top_k} ({after:.1f}M parameters, {moe.dtype}): {out}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pacerl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -179,6 +205,27 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", help="key=value settings, e.g. sft.steps=100 env.id=pacerl/Math-v0"
     )
     sft.set_defaults(handler=cmd_sft)
+
+    upcycle = commands.add_parser(
+        "upcycle",
+        help="turn a dense Llama-family model into a Mixtral MoE that starts as it (sparse upcycling)",
+    )
+    upcycle.add_argument(
+        "--model", required=True, help="a checkpoint directory, a .gguf file or a shipped name"
+    )
+    upcycle.add_argument(
+        "--experts", type=int, required=True, help="experts per layer, each a copy of the MLP"
+    )
+    upcycle.add_argument("--top-k", type=int, required=True, help="experts each token is routed to")
+    upcycle.add_argument("--out", required=True, help="directory for the MoE checkpoint (new or empty)")
+    upcycle.add_argument("--seed", type=int, default=0, help="seed of the routers (default: %(default)s)")
+    upcycle.add_argument(
+        "--router-std",
+        type=float,
+        default=None,
+        help=f"standard deviation of the routers' initial weights (default: {_ROUTER_STD})",
+    )
+    upcycle.set_defaults(handler=cmd_upcycle)
 
     add_eval_parser(commands)
     add_plot_parser(commands)
