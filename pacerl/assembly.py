@@ -218,7 +218,13 @@ def warm_start(
             tool_schemas=config.rollout.tool_schemas_in_prompt,
             tokenizer=tokenizer,
         )
-        sft_config = SFTConfig(lr=spec.lr, steps=stage_steps, batch_size=spec.batch_size, seed=config.seed)
+        sft_config = SFTConfig(
+            lr=spec.lr,
+            warmup_steps=spec.warmup_steps,
+            steps=stage_steps,
+            batch_size=spec.batch_size,
+            seed=config.seed,
+        )
         label = f"sft ({stage})" if len(stages) == 1 else f"sft ({stage}, stage {index + 1}/{len(stages)})"
         with ProgressDisplay(label, stage_steps, 0) as display:
 

@@ -86,7 +86,9 @@ class WarmStartSpec:
     batch_size: int = 64
     """Demonstrations per step."""
     lr: float = 2e-3
-    """Peak learning rate (linear warm-up over the first 50 steps)."""
+    """Peak learning rate, after a linear warm-up over `warmup_steps`."""
+    warmup_steps: int = 50
+    """Steps of linear warm-up to `lr` (0: none)."""
     tasks: str | None = None
     """Tasks to demonstrate; None: the env's training tasks."""
 
@@ -95,6 +97,8 @@ class WarmStartSpec:
             raise ValueError("sft.when must be fresh, always or never and sft.style auto or a style name")
         if (self.steps is not None and self.steps < 0) or self.batch_size < 1 or not self.lr > 0:
             raise ValueError("sft.steps must be >= 0, sft.batch_size >= 1 and sft.lr > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"sft.warmup_steps must be >= 0, got {self.warmup_steps}")
 
     def resolved(self, env_id: str) -> tuple[str, int]:
         """(style, steps) for a warm start on `env_id`, with `auto` and None filled in from the env

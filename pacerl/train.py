@@ -9,6 +9,7 @@ import contextlib
 import functools
 import json
 import logging
+import resource
 import signal
 import sys
 import threading
@@ -104,11 +105,14 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
     save_config(saved, run_dir / CONFIG_FILE)
     if config.model.path is None and not resume:  # the tiny tokenizer is rebuilt from code: keep this one
         tokenizer.save_pretrained(run_dir / TOKENIZER_DIR)
+    warmed: dict[str, float] = {}
     if checkpoint is None:
         stop = threading.Event()
+        warm_started = time.monotonic()
         with _signals_set(stop):
             warmed = await asyncio.to_thread(warm_start, config, model, tokenizer, tasks, stop=stop)
         if warmed:
+            warmed["sft/seconds"] = time.monotonic() - warm_started
             save_model(model, tokenizer, run_dir / "warm_start")
             style, steps = config.sft.resolved(config.env.id)
             first, last = warmed["sft/first_loss"], warmed["sft/last_loss"]
@@ -148,6 +152,9 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
         log.warning("stopped at step %d with a checkpoint; continue with --resume %s", run.step, run_dir)
         summary["interrupted"] = True
     summary["seconds"] = time.monotonic() - started
+    if warmed:
+        summary["warm_start"] = warmed
+    summary["peak_rss_gb"] = peak_rss_gb()
     nothing = None if run.stopping else run.trained_nothing()
     if nothing is not None:  # `pacerl train` exits 2 with it: a pipeline must not take it for success
         summary["failure"] = nothing
@@ -265,6 +272,7 @@ def report(summary: Mapping[str, Any], run_dir: Path) -> str:
     evaluation, and where the outputs are."""
     lines = [
         f"trained {summary['step']} steps (policy version {summary['version']}) in {summary['seconds']:.0f} s"
+        + (f", peak memory {summary['peak_rss_gb']:.1f} GB" if "peak_rss_gb" in summary else "")
     ]
     evaluations = summary.get("evaluations") or []
     if evaluations:
@@ -306,6 +314,11 @@ def main_sft(config_path: str | None, overrides: list[str], out: str) -> int:
         f"{stats.get('sft/last_loss', float('nan')):.3f}; model saved to {destination}"
     )
     return 0
+
+
+def peak_rss_gb() -> float:
+    """The largest resident memory this process has held so far, in GiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def quiet_logging() -> None:

@@ -240,13 +240,17 @@ def sft(
     try:
         for step in range(config.steps):
             input_ids, labels = _collate([demos[i] for i in next(batches)], int(pad_id))
+            # Position t predicts token t+1. No position before the batch's first trained target needs
+            # its logits: the prompts, most of a demonstration, skip the vocabulary projection.
+            start = int((labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()[0])
+            predicting = torch.arange(start, input_ids.shape[1] - 1, device=device)
             # No attention mask: with right padding a causal model's real tokens never see the padding
             # after them, so their logits are the same, and SDPA's unmasked causal path is ~15% faster.
-            logits = model(input_ids=input_ids.to(device), use_cache=False).logits
-            # Position t predicts token t+1; the mean runs over the masked targets of the whole batch.
+            logits = model(input_ids=input_ids.to(device), use_cache=False, logits_to_keep=predicting).logits
+            # The mean runs over the masked targets of the whole batch.
             loss = functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(),
-                labels[:, 1:].flatten().to(device),
+                logits.flatten(0, 1).float(),
+                labels[:, start + 1 :].flatten().to(device),
                 ignore_index=IGNORE_INDEX,
             )
             optimizer.zero_grad(set_to_none=True)

@@ -449,6 +449,10 @@ def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:
         e["eval/heldout/accuracy"] for e in (summary["evaluations"][0], summary["evaluations"][-1])
     )
     assert f"  heldout: {first:.3f} -> {last:.3f}" in trained.stdout
+    # What the job cost: the warm start's steps and seconds, and the process's peak memory.
+    assert summary["warm_start"]["sft/steps"] == 4 and summary["warm_start"]["sft/seconds"] > 0
+    assert 0.1 < summary["peak_rss_gb"] < 64  # GiB: a tiny run holds torch and a tiny model
+    assert f"peak memory {summary['peak_rss_gb']:.1f} GB" in trained.stdout
 
 
 @pytest.mark.slow

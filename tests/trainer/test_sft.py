@@ -225,3 +225,25 @@ def test_sft_stops_when_asked_and_is_reproducible(tokenizer: PreTrainedTokenizer
         SFTConfig(lr=0.0)
     with pytest.raises(ValueError, match="no demonstrations"):
         sft(model, [], config)
+
+
+def test_the_loss_is_the_mean_cross_entropy_over_every_trained_token(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """The first step's loss, by hand: each demonstration alone through the full vocabulary projection,
+    the cross-entropy of every masked target, averaged over the batch's targets. sft projects only the
+    positions from the batch's first target on; that must not change it."""
+    demos = demonstrations("pacerl/CodeMath-v0", CODEMATH[:6], style="teacher", tokenizer=tokenizer)
+    assert len({d.loss_mask.index(True) for d in demos}) > 1  # the first targets differ between rows
+    model = build_tiny_moe(TinyMoEConfig(num_layers=1), tokenizer)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for demo in demos:
+            logits = model(input_ids=torch.tensor([demo.tokens])).logits[0, :-1].double()
+            targets = torch.tensor(demo.tokens[1:])
+            trained = torch.tensor(demo.loss_mask[1:])
+            losses = -logits.log_softmax(-1).gather(1, targets[:, None])[:, 0]
+            total += float(losses[trained].sum())
+            count += int(trained.sum())
+    (first,) = sft(model, demos, SFTConfig(batch_size=len(demos), steps=1, lr=1e-9))
+    assert first == pytest.approx(total / count, rel=1e-5)
