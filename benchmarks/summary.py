@@ -111,8 +111,24 @@ MEASURES = (
         False,
         "s",
     ),
+    Measure(
+        "SmolLM2-135M: embedded engine vs transformers generate (tok/s, long-tail batches of 16)",
+        "engine_smollm2.json",
+        lambda r: float(r["engine_vs_hf"]),
+        3.0,
+        True,
+        "x",
+    ),
+    Measure(
+        "SmolLM2-135M: Learner.train_step vs plain fwd+bwd+AdamW (tok/s)",
+        "trainer_smollm2.json",
+        lambda r: float(r["learner_vs_plain"]),
+        1.0,
+        True,
+        "x",
+    ),
 )
-"""Issue 19's targets, in its order."""
+"""Issue 19's targets, in its order, then issue 28's on a real model (`make bench-real`)."""
 
 
 def _shown(value: float, unit: str) -> str:
