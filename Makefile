@@ -52,7 +52,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/simulate.py
 	$(BIN)/python benchmarks/summary.py --readme README.md
 
-# The engine and the learner on a real model, SmolLM2-135M-Instruct (about ten minutes on 2 cores; not in
+# The engine and the learner on a real model, SmolLM2-135M-Instruct (10-15 minutes on 2 cores; not in
 # `make bench`): engine_smollm2.json and trainer_smollm2.json, then the README's table again.
 bench-real: $(STAMP)
 	$(BIN)/python benchmarks/engine.py --model smollm2-135m --batch 16 --requests 32 --max-tokens 128 \
