@@ -190,12 +190,12 @@ class _Packed:
             if self.mask is not None and self.additive is None:
                 self.additive = torch.zeros(self.mask.shape, dtype=query.dtype, device=query.device)
                 self.additive.masked_fill_(~self.mask, float("-inf"))
-            attended = _decode_attention(
+            attended = torch.nn.functional.scaled_dot_product_attention(
                 grouped,
                 keys[:rows, :, self.start : self.end + 1],
                 values[:rows, :, self.start : self.end + 1],
-                self.additive,
-                scaling,
+                attn_mask=self.additive,
+                scale=scaling,
             )
             outputs.append(attended.reshape(rows, heads, -1))
         if self.query_index is not None:
@@ -213,29 +213,6 @@ class _Packed:
             flat = attended.transpose(1, 2).reshape(count * self.width, heads, -1)
             outputs.append(flat.index_select(0, self.real))  # [prompt tokens, heads, head_dim]
         return torch.cat(outputs)[None] if len(outputs) > 1 else outputs[0][None]
-
-
-def _decode_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    additive: torch.Tensor | None,
-    scaling: float | None,
-) -> torch.Tensor:
-    """Attention of the running rows' queries `[rows, kv_heads, groups, head_dim]` over their columns
-    `[rows, kv_heads, columns, head_dim]` (`additive`: 0 or -inf per row and column). On the CPU as
-    two batched matmuls around a softmax: the fused SDPA kernel splits so small a problem over its
-    threads, and each of a forward's layers then waits at the threads' barrier (13% of a SmolLM2
-    decode step on 2 cores, most of it waiting); elsewhere SDPA's kernel."""
-    if query.device.type != "cpu":
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, keys, values, attn_mask=additive, scale=scaling
-        )
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale)
-    if additive is not None:
-        scores.add_(additive)
-    return torch.matmul(torch.softmax(scores, -1), values)
 
 
 _SLOT_ATTENTION = "pacerl_slots"

@@ -15,7 +15,6 @@ from agents.engine.embedded import (
     ContextOverflowError,
     EmbeddedEngine,
     EmbeddedEngineConfig,
-    _decode_attention,
     _GateRecorder,
     _packable,
     _SlotCache,
@@ -507,28 +506,3 @@ async def test_engines_sharing_a_model_each_generate_what_they_would_alone() -> 
     assert model.config._attn_implementation == "sdpa"
     for prompt, a, b in zip(prompts, together[::2], together[1::2], strict=True):
         assert list(a.tokens) == list(b.tokens) == reference_greedy(model, prompt, 40)
-
-
-@pytest.mark.parametrize("scaling", [None, 0.3], ids=["default-scale", "model-scale"])
-def test_decode_attention_is_sdpas_over_the_rows_columns(scaling: float | None) -> None:
-    """The running rows' attention (two matmuls around a softmax on the CPU) gives SDPA's output on the
-    same strided views of the cache, padding columns (-inf) ignored, a row attending to one column too."""
-    generator = torch.Generator().manual_seed(0)
-    rows, kv_heads, groups, head_dim, columns = 5, 3, 3, 16, 40
-    query = torch.randn(rows, kv_heads, groups, head_dim, generator=generator)
-    keys = torch.randn(8, kv_heads, 64, head_dim, generator=generator)[:rows, :, 10 : 10 + columns]
-    values = torch.randn(8, kv_heads, 64, head_dim, generator=generator)[:rows, :, 10 : 10 + columns]
-    visible = torch.rand(rows, 1, 1, columns, generator=generator) > 0.3
-    visible[:, ..., -1] = True  # every row sees its own last input
-    visible[0, ..., :-1] = False  # a row that has only that
-    additive = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-    for mask in (additive, None):
-        expected = torch.nn.functional.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=scaling
-        )
-        got = _decode_attention(query, keys, values, mask, scaling)
-        assert got.shape == expected.shape == (rows, kv_heads, groups, head_dim)
-        assert torch.allclose(got, expected, atol=1e-6, rtol=1e-5)
-    # Row 0 sees one column: its output is that column's values for every head of the group.
-    only = _decode_attention(query, keys, values, additive, scaling)[0]
-    assert torch.allclose(only, values[0, :, -1:].expand(kv_heads, groups, head_dim), atol=1e-6)
