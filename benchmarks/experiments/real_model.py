@@ -92,7 +92,7 @@ def main() -> None:
     without_tool = baseline("no-tool", NO_TOOL, args.eval_tasks, runs)
     untrained = baseline("tool-untrained", {}, args.eval_tasks, runs)
     summaries = []
-    for seed in (int(s) for s in args.seeds.split(",")):
+    for seed in (int(s) for s in args.seeds.split(",") if s):  # "": the baselines alone
         summary = run_and_report(
             Arm("smollm2-codemath", {}, seed, "warm start, then SAT-GSPO + PACE"), base, runs
         )

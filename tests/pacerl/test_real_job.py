@@ -16,7 +16,7 @@ def test_the_smollm2_job_config_loads_with_the_envs_prompt_and_a_warm_start() ->
     assert config.model.path == "smollm2-135m" and config.env.id == "pacerl/CodeMath-v0"
     assert config.env.system_prompt == SYSTEM_PROMPT  # the TOML copy must not drift from the env's
     # A loaded checkpoint skips the warm start unless told (sft.when=fresh): this job needs it.
-    assert config.sft.when == "always" and config.sft.resolved(config.env.id)[0] == "clean+teacher"
+    assert config.sft.when == "always" and config.sft.resolved(config.env.id) == ("teacher", 30)
     assert config.loop.mode == "async" and config.filter.name == "pace"
     assert config.learner.loss.name == "gspo" and config.learner.loss.sat
 
