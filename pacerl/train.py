@@ -9,7 +9,6 @@ import contextlib
 import functools
 import json
 import logging
-import resource
 import signal
 import sys
 import threading
@@ -41,6 +40,7 @@ from pacerl.parallel import is_learner_rank, serve_rank
 from pacerl.plots import plot_run
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.loop import Run, train_async, train_sync
+from trainer.metrics import peak_rss_gb
 
 log = logging.getLogger(__name__)
 
@@ -314,11 +314,6 @@ def main_sft(config_path: str | None, overrides: list[str], out: str) -> int:
         f"{stats.get('sft/last_loss', float('nan')):.3f}; model saved to {destination}"
     )
     return 0
-
-
-def peak_rss_gb() -> float:
-    """The largest resident memory this process has held so far, in GiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def quiet_logging() -> None:

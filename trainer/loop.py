@@ -29,7 +29,7 @@ from agents.trajectory import Status, Trajectory
 from envs import Task
 from trainer.checkpoint import Checkpoint, restore_rng, save_checkpoint
 from trainer.learner import LearnerLike, StepResult
-from trainer.metrics import MetricsWriter
+from trainer.metrics import MetricsWriter, peak_rss_gb, rss_gb
 from trainer.pool import StalenessSummary, TrajectoryPool, staleness_summary
 
 log = logging.getLogger(__name__)
@@ -387,6 +387,8 @@ class Run:
             elapsed_s=time.time() - self._started,
             updated=float(result.updated),
         )
+        # Where a long run's memory goes: resident now and at its peak (a real model's run grew, issue 28).
+        scalars.update({"memory/rss_gb": rss_gb(), "memory/peak_rss_gb": peak_rss_gb()})
         scalars.update({f"rejected/{k}": float(v) for k, v in self.pool.rejections.items()})
         scalars.update({f"skipped/{k}": float(v) for k, v in self.learner.counts.items()})
         scalars.update({f"faults/{k}": float(v) for k, v in self.faults.items()})

@@ -437,6 +437,9 @@ def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:
     # CodeMath's held-out question forms, evaluated beside the main set and reported on their own.
     assert [row["step"] for row in rows if "eval/heldout/accuracy" in row] == [0, 1, 2]
     assert sum(row.get("trajectories", 0) for row in rows if "reward" in row) >= 16
+    # Each step records the process's memory: resident now, never above its peak so far.
+    steps = [row for row in rows if "reward" in row]
+    assert all(0 < row["memory/rss_gb"] <= row["memory/peak_rss_gb"] + 1e-3 for row in steps)
     assert (run_dir / "plots" / "reward.png").is_file() and (run_dir / "model" / "config.json").is_file()
     # The warm start shows its progress, stage by stage: CodeMath's clean demonstrations, then the teacher's.
     assert "sft (clean, stage 1/2) step 1/2  loss" in trained.stderr
