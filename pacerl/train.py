@@ -39,8 +39,8 @@ from pacerl.lab.emulated import clock_config, train_emulated
 from pacerl.parallel import is_learner_rank, serve_rank
 from pacerl.plots import plot_run
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.host_memory import peak_rss_gb
 from trainer.loop import Run, train_async, train_sync
-from trainer.metrics import peak_rss_gb
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import resource
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,22 +22,6 @@ import numpy as np
 from tensorboardX import SummaryWriter
 
 from envs.jsonl import read_jsonl
-
-
-def peak_rss_gb() -> float:
-    """The largest resident memory this process has held so far, in GiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def rss_gb() -> float:
-    """This process's resident memory now, in GiB (Linux's /proc/self/statm; 0.0 where it is missing)."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as statm:
-            pages = int(statm.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
-
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agents.engine import EmbeddedEngine
+from agents.engine.embedded import EmbeddedEngine
 from agents.models import load_model
 from pacerl.config import ConfigError, config_from_dict, load_config
 from pacerl.train import train
@@ -440,6 +440,7 @@ def test_the_default_run_on_codemath_with_a_tiny_budget(tmp_path: Path) -> None:
     # Each step records the process's memory: resident now, never above its peak so far.
     steps = [row for row in rows if "reward" in row]
     assert all(0 < row["memory/rss_gb"] <= row["memory/peak_rss_gb"] + 1e-3 for row in steps)
+    assert all(row["memory/free_heap_gb"] >= 0 for row in steps)
     assert (run_dir / "plots" / "reward.png").is_file() and (run_dir / "model" / "config.json").is_file()
     # The warm start shows its progress, stage by stage: CodeMath's clean demonstrations, then the teacher's.
     assert "sft (clean, stage 1/2) step 1/2  loss" in trained.stderr
