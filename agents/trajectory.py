@@ -20,16 +20,14 @@ import enum
 import itertools
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from agents.routing import RoutedExperts
-from envs.jsonl import read_jsonl
 
 
 class Origin(enum.StrEnum):
@@ -509,29 +507,3 @@ def _check_routes(segments: Sequence[Segment]) -> None:
     shapes = {(r.num_experts, r.num_layers, r.top_k) for s in segments if (r := s.routed_experts) is not None}
     if len(shapes) > 1:
         raise ValueError(f"segments disagree on routed experts (experts, layers, top_k): {sorted(shapes)}")
-
-
-def save_jsonl(path: str | Path, trajectories: Iterable[Trajectory]) -> int:
-    """Write one trajectory per line; ids must be unique. Returns how many were written."""
-    records = list(trajectories)
-    ids = [t.id for t in records]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"duplicate trajectory ids: {sorted({i for i in ids if ids.count(i) > 1})}")
-    with Path(path).open("w", encoding="utf-8") as file:
-        for trajectory in records:
-            file.write(json.dumps(trajectory.to_json(), allow_nan=False, separators=(",", ":")) + "\n")
-    return len(records)
-
-
-def load_jsonl(path: str | Path) -> list[Trajectory]:
-    """Read what `save_jsonl` wrote; a bad line raises with its line number."""
-    trajectories: list[Trajectory] = []
-    for number, row in read_jsonl(path):
-        try:
-            trajectories.append(Trajectory.from_json(row))
-        except ValueError as error:
-            raise ValueError(f"{path}:{number}: {error}") from error
-    ids = [t.id for t in trajectories]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: duplicate trajectory ids")
-    return trajectories

@@ -40,13 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ray
 
-from agents.engine import EmbeddedEngine, Engine, SamplingParams
+from agents.engine.embedded import EmbeddedEngine
+from agents.engine.protocol import Engine, SamplingParams
 from agents.models import moe_info
 from agents.rollout import EpisodeEnv, RolloutDriver
 from envs import Task
 from pacerl.assembly import build_twin, env_factory, load_policy, training_tasks
 from pacerl.config import RunConfig, load_config
-from pacerl.ray_runtime.runtime import RayRuntime
+from pacerl.ray_runtime.runtime import RayRuntime, RaySettings
 
 ACTION = "The answer is \\boxed{6}"
 
@@ -126,7 +127,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             ray_config = load_config(None, ["env.id=pacerl/Math-v0", f"seed={args.seed}", *overrides])
             with tempfile.TemporaryDirectory() as run_dir:
                 started = time.perf_counter()
-                runtime = RayRuntime(ray_config, Path(run_dir), model, tokenizer, make_env)
+                runtime = RayRuntime(RaySettings.of(ray_config), Path(run_dir), model, tokenizer, make_env)
                 start_s = time.perf_counter() - started
                 try:
                     arm = await throughput(

@@ -47,7 +47,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agents.engine import EmbeddedEngine, EmbeddedEngineConfig, SamplingParams
+from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from agents.engine.protocol import SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe, declares_moe, load_model, moe_info
 from agents.rollout import append_generation
 from agents.routing import RoutedExperts

@@ -126,10 +126,10 @@ def build_run(
     runtime = None
     if config.runtime == "ray":
         try:
-            from pacerl.ray_runtime.runtime import RayRuntime  # Ray is an optional extra
+            from pacerl.ray_runtime.runtime import RayRuntime, RaySettings  # Ray is an optional extra
         except ImportError as error:
             raise ConfigError(f"runtime=ray needs Ray ({error}): pip install 'pacerl[ray]'") from None
-        runtime = RayRuntime(config, run_dir, model, tokenizer, make_env)
+        runtime = RayRuntime(RaySettings.of(config), run_dir, model, tokenizer, make_env)
         engine, learner, make_episode = runtime.engine, runtime.learner, runtime.make_env
     elif config.engine_backend == "sglang":
         options = replace(

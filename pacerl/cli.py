@@ -17,9 +17,9 @@ from pacerl.lab.simulate_cli import add_simulate_parser
 from pacerl.plots import add_plot_parser
 from pacerl.serve_openai import add_serve_openai_parser
 from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
-from sandbox._http_guard import add_guard_flags as _add_http_guard_flags
-from sandbox._http_guard import guard_from_flags as _http_guard
+from sandbox.http_guard import add_guard_flags, guard_from_flags
 from sandbox.limits import RequestMaxima
+from trainer.host_memory import bound_heap_growth
 
 _RETRIEVER_FLAGS = {
     "max_queries": ("--max-queries", "queries in one request", 4096),
@@ -99,7 +99,7 @@ def cmd_serve_sandbox(args: argparse.Namespace) -> int:
         limits=_limits(args),
         options=_backend_options(args.option),
         max_queue=args.max_queue,
-        guard=_http_guard(args, GUARD),
+        guard=guard_from_flags(args, GUARD),
         maxima=RequestMaxima(timeout_s=args.max_timeout, memory_mb=args.max_memory_mb),
     )
     return 0
@@ -117,7 +117,7 @@ def cmd_serve_retriever(args: argparse.Namespace) -> int:
         port=args.port,
         default_topk=args.topk,
         limits=limits,
-        guard=_http_guard(args, limits.guard()),
+        guard=guard_from_flags(args, limits.guard()),
     )
     return 0
 
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_sandbox.add_argument("--option", action="append", default=[], help="backend option key=value")
     _add_limit_flags(serve_sandbox, per_request_maximum=True)
-    _add_http_guard_flags(serve_sandbox, ("98 MiB, every input at its cap", "128 MiB"))
+    add_guard_flags(serve_sandbox, ("98 MiB, every input at its cap", "128 MiB"))
     serve_sandbox.set_defaults(handler=cmd_serve_sandbox)
 
     serve_retriever = serve.add_parser("retriever", help="Search-R1-compatible /retrieve server (BM25)")
@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         work.add_argument(
             flag, dest=field, type=int, default=None, metavar="N", help=f"{text} (default: {default})"
         )
-    _add_http_guard_flags(serve_retriever, ("from the query caps", "4 bodies at the cap"))
+    add_guard_flags(serve_retriever, ("from the query caps", "4 bodies at the cap"))
     serve_retriever.set_defaults(handler=cmd_serve_retriever)
 
     serve_sglang = serve.add_parser(
@@ -305,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pacerl` console script."""
     args = build_parser().parse_args(argv)
+    bound_heap_growth()  # before any model loads: a long run's heap otherwise only grows
     try:
         handler: Callable[[argparse.Namespace], int] = args.handler
         code = handler(args)

@@ -12,7 +12,7 @@ sampled token's). Every error has the API's shape, `{"error": {"message", "type"
 `max_tokens`) over what it leaves, 401 for a missing or wrong API key (`--api-key-env NAME`), 404
 for an unknown model or route, 500 when the engine fails, and the HTTP guard's refusals.
 
-Hostile clients meet the guard of the sandbox and retriever servers (`sandbox._http_guard`): the key
+Hostile clients meet the guard of the sandbox and retriever servers (`sandbox.http_guard`): the key
 is checked before a byte of the body is read; bodies are capped (413), budgeted and timed (408);
 headers are capped (431) and timed; connections are capped (the one waiting longest for a request is
 closed to make room); at most `max_concurrency` requests are worked on at once and `max_queue` wait,
@@ -48,7 +48,7 @@ import pydantic
 
 from envs.chat_template import assistant_message, render_chat
 from envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from sandbox._http_guard import MIB, HttpGuardConfig, add_guard_flags, guard_from_flags
+from sandbox.http_guard import MIB, HttpGuardConfig, add_guard_flags, guard_from_flags
 
 MAX_N = 16
 """Choices one request may ask for."""
@@ -137,7 +137,7 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str) -> bytes:
-    """The API's error shape for the HTTP guard's refusals (`sandbox._http_guard.ErrorBody`): 401 is
+    """The API's error shape for the HTTP guard's refusals (`sandbox.http_guard.ErrorBody`): 401 is
     OpenAI's `invalid_api_key`."""
     code = "invalid_api_key" if status == 401 else None
     return json.dumps(ApiError(status, message, code=code).body()).encode()
@@ -239,7 +239,7 @@ def create_app(
     from starlette.exceptions import HTTPException
 
     from agents.engine.protocol import ContextOverflowError, FinishReason, Generation, SamplingParams
-    from sandbox._http_guard import Gate, guard_app
+    from sandbox.http_guard import Gate, guard_app
 
     native_tool_calls = "tool_calls" in str(getattr(tokenizer, "chat_template", "") or "")
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -535,7 +535,7 @@ def build_engine(model: str | None, *, seed: int = 0, max_batch: int = 64) -> tu
 
 def serve(args: argparse.Namespace) -> int:
     """Run the server in the foreground until interrupted."""
-    from sandbox._http_guard import run_server
+    from sandbox.http_guard import run_server
 
     api_key = None
     if args.api_key_env:

@@ -49,7 +49,7 @@ Requests:
 At most `max_concurrency` runs execute at once; more wait in arrival order. With `max_queue` set, a
 request that would make the queue longer is answered HTTP 503 with `Retry-After` at once.
 
-Hostile clients meet the limits of `sandbox._http_guard` (`GUARD` by default, `pacerl serve sandbox
+Hostile clients meet the limits of `sandbox.http_guard` (`GUARD` by default, `pacerl serve sandbox
 --help` lists them): a body over `max_body_bytes` is HTTP 413 (at once when its Content-Length says
 so), a malformed Content-Length 400, a body not in within the body timeout 408; bodies wait for room
 in a shared byte budget before they are read and hold it until answered (503 past the wait queue);
@@ -70,7 +70,6 @@ import fastapi
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from sandbox._http_guard import MIB, Gate, HttpGuardConfig, budget_report, guard_app, run_server
 from sandbox.core import Sandbox
 from sandbox.fusion_schema import (
     CommandRunResult,
@@ -82,6 +81,7 @@ from sandbox.fusion_schema import (
     RunStatus,
     status_message,
 )
+from sandbox.http_guard import MIB, Gate, HttpGuardConfig, budget_report, guard_app, run_server
 from sandbox.limits import Limits, RequestMaxima
 from sandbox.request import (
     LANGUAGES,

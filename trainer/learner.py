@@ -41,10 +41,9 @@ import json
 import math
 import random
 import time
-import typing
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -66,22 +65,9 @@ from agents.trajectory import Trajectory
 from trainer.advantages import dr_grpo_advantages, grpo_advantages, reinforce_pp_baseline_advantages
 from trainer.batch import TokenBatch, collate, forward_logprobs
 from trainer.distributed import MixedPrecision, Ranks, is_sharded, shard
-from trainer.losses import (
-    ClipConfig,
-    LossOutput,
-    SATConfig,
-    decoupled_ppo_loss,
-    entropy_from_logits,
-    gmc_loss,
-    grpo_loss,
-    gspo_loss,
-    kl_k3,
-    mean_unit,
-    sat_threshold,
-    sequence_staleness,
-)
+from trainer.losses import LossOutput, entropy_from_logits, kl_k3, sat_threshold, sequence_staleness
+from trainer.policy_losses import LossConfig, LossInputs, check_choice, sat_config
 
-LossName = Literal["gspo", "gspo_token", "grpo", "decoupled_ppo", "gmc"]
 AdvantageName = Literal["grpo", "dr_grpo", "reinforce_pp"]
 _PER_TOKEN = ("loss", "entropy", "kl")
 """Per-micro-batch figures, averaged over every update of the step weighted by trainable tokens."""
@@ -89,250 +75,11 @@ _PER_UNIT = ("clip_fraction", "sat_gate_rate", "sat_active_rate", "sat_contracti
 """Shares, averaged over every update weighted by the entries they count (tokens, sequences, groups)."""
 _FIRST_PASS = ("mismatch", "mismatch_fresh", "routing_disagreement", "r3_coverage")
 """Engine-vs-trainer figures from the first epoch (each trajectory once), weighted by tokens."""
-LOSSES: tuple[LossName, ...] = typing.get_args(LossName)
 LEARNER_SHARDS = "learner"
 """The directory of a checkpoint that holds the learner's torch.distributed.checkpoint shards."""
 LEARNER_META = "learner.json"
 """The file of a checkpoint that holds the learner's version and skip counts."""
 ADVANTAGES: tuple[AdvantageName, ...] = ("grpo", "dr_grpo", "reinforce_pp")
-
-
-Anchor = Literal["behaviour", "recompute"]
-Aggregation = Literal["sequence", "token"]
-
-
-@dataclass(frozen=True)
-class GSPOSettings:
-    """gspo and gspo_token (GSPO, arXiv 2507.18071)."""
-
-    ratio_anchor: Anchor = "behaviour"
-    """The ratio's denominator: the rollout engine's log-probs (SAT, slime), or the trainer's own before
-    the update (then the ratio starts at 1 and staleness is not corrected)."""
-
-    def __post_init__(self) -> None:
-        _check_choice("gspo.ratio_anchor", self.ratio_anchor, typing.get_args(Anchor))
-
-
-@dataclass(frozen=True)
-class GRPOSettings:
-    """grpo: the token-level clipped ratio."""
-
-    ratio_anchor: Anchor = "behaviour"
-    """As `GSPOSettings.ratio_anchor`."""
-    aggregation: Aggregation = "token"
-    """Mean of per-sequence token means (the paper's 1/|o_i|), or one mean over all tokens (DAPO)."""
-
-    def __post_init__(self) -> None:
-        _check_choice("grpo.ratio_anchor", self.ratio_anchor, typing.get_args(Anchor))
-        _check_choice("grpo.aggregation", self.aggregation, typing.get_args(Aggregation))
-
-
-@dataclass(frozen=True)
-class DecoupledPPOSettings:
-    """decoupled_ppo: AReaL's proximal policy with a behaviour weight."""
-
-    behaviour_weight: Literal["none", "mask", "truncate"] = "mask"
-    """The π_prox/μ weight: masked above the cap (AReaL), truncated at it (TIS), or off."""
-    weight_cap: float = 5.0
-    """The cap of the behaviour weight. > 1."""
-    aggregation: Aggregation = "token"
-    """As `GRPOSettings.aggregation`."""
-
-    def __post_init__(self) -> None:
-        _check_choice("decoupled_ppo.behaviour_weight", self.behaviour_weight, ("none", "mask", "truncate"))
-        _check_choice("decoupled_ppo.aggregation", self.aggregation, typing.get_args(Aggregation))
-        if not self.weight_cap > 1:
-            raise ValueError(f"decoupled_ppo.weight_cap must be > 1, got {self.weight_cap!r}")
-
-
-@dataclass(frozen=True)
-class GMCSettings:
-    """gmc: group-mass capping (arXiv 2610.01896)."""
-
-    eps: float = 0.2
-    """A group's importance mass is capped at G·(1 + eps). > 0."""
-
-    def __post_init__(self) -> None:
-        if not self.eps > 0:
-            raise ValueError(f"gmc.eps must be > 0, got {self.eps!r}")
-
-
-def _check_choice(name: str, value: object, choices: tuple[Any, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Which policy loss, its trust region and its regularisers. The knobs of one loss alone sit in that
-    loss's section (`gspo`, `grpo`, `decoupled_ppo`, `gmc`); only the chosen loss's section is read, so
-    a sweep over `name` can keep every section set."""
-
-    moved_keys: typing.ClassVar[dict[str, str]] = {
-        "ratio_anchor": "gspo.ratio_anchor or grpo.ratio_anchor",
-        "aggregation": "grpo.aggregation or decoupled_ppo.aggregation",
-        "behaviour_weight": "decoupled_ppo.behaviour_weight",
-        "weight_cap": "decoupled_ppo.weight_cap",
-        "gmc_eps": "gmc.eps",
-    }
-    """Keys of earlier versions → where they live now (the config loader names the new place)."""
-
-    name: LossName = "gspo"
-    """gspo | gspo_token (GSPO, arXiv 2507.18071), grpo (token clip), decoupled_ppo (AReaL's proximal
-    policy with a behaviour weight), gmc (group-mass capping, arXiv 2610.01896)."""
-    eps_low: float = 0.2
-    """Lower clip radius of gspo, gspo_token, grpo and decoupled_ppo (the SAT paper's comparisons use 0.2
-    on both sides)."""
-    eps_high: float = 0.2
-    """Upper clip radius (DAPO's clip-higher sets it above eps_low)."""
-    sat: bool = True
-    """Staleness-adaptive trust region (SAT, arXiv 2607.18722) on gspo, gspo_token, grpo, decoupled_ppo."""
-    sat_quantile: float = 0.9
-    """SAT gates entries whose |log π_θ − log μ| exceeds this quantile of the mini-batch."""
-    sat_kernel: Literal["cauchy", "rational"] = "cauchy"
-    """SAT's contraction kernel (a reconstruction; see `trainer.losses.sat_bounds`)."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL to the initial policy (0: no reference model is kept)."""
-    entropy_coef: float = 0.0
-    """Weight of an entropy bonus (subtracted from the loss)."""
-    gspo: GSPOSettings = field(default_factory=GSPOSettings)
-    """gspo's and gspo_token's own knobs."""
-    grpo: GRPOSettings = field(default_factory=GRPOSettings)
-    """grpo's own knobs."""
-    decoupled_ppo: DecoupledPPOSettings = field(default_factory=DecoupledPPOSettings)
-    """decoupled_ppo's own knobs."""
-    gmc: GMCSettings = field(default_factory=GMCSettings)
-    """gmc's own knobs."""
-
-    def __post_init__(self) -> None:
-        if self.name not in LOSSES:
-            raise ValueError(f"loss name must be one of {LOSSES}, got {self.name!r}")
-        ClipConfig(self.eps_low, self.eps_high)
-        SATConfig(self.sat_quantile, self.sat_kernel)
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError("need kl_coef >= 0 and entropy_coef >= 0")
-
-    @property
-    def ratio_anchor(self) -> Anchor | None:
-        """The chosen loss's ratio anchor (gspo, gspo_token, grpo); None for a loss without one."""
-        if self.name in ("gspo", "gspo_token"):
-            return self.gspo.ratio_anchor
-        return self.grpo.ratio_anchor if self.name == "grpo" else None
-
-    @property
-    def aggregation(self) -> Aggregation:
-        """What the chosen loss averages over: grpo's and decoupled_ppo's setting, `sequence` otherwise."""
-        if self.name == "grpo":
-            return self.grpo.aggregation
-        return self.decoupled_ppo.aggregation if self.name == "decoupled_ppo" else "sequence"
-
-
-@dataclass(frozen=True)
-class LossInputs:
-    """One micro-batch as every policy loss sees it (`[B, T]` per token, `[B]` per sequence)."""
-
-    logprobs: torch.Tensor
-    """log π_θ of the targets, with gradient."""
-    proximal: torch.Tensor
-    """log-probs before the step's first update (detached): decoupled PPO's π_prox, `recompute`'s anchor."""
-    behaviour: torch.Tensor
-    """The rollout engine's log-probs, log μ."""
-    advantages: torch.Tensor
-    """One per sequence."""
-    mask: torch.Tensor
-    """True on trainable tokens."""
-    groups: torch.Tensor
-    """Group index per sequence (GMC caps each group's importance mass)."""
-    sat_threshold: torch.Tensor | None
-    """SAT's quantile over the whole mini-batch; None: the loss takes this micro-batch's."""
-    denominator: float
-    """The whole mini-batch's count its mean is over (`trainer.losses.mean_unit`)."""
-
-
-PolicyLoss = Callable[[LossInputs, LossConfig], LossOutput]
-"""A policy loss as the learner calls it: one micro-batch and the loss config."""
-
-
-def _clip(cfg: LossConfig) -> ClipConfig:
-    return ClipConfig(cfg.eps_low, cfg.eps_high)
-
-
-def _sat(cfg: LossConfig) -> SATConfig | None:
-    return SATConfig(cfg.sat_quantile, cfg.sat_kernel) if cfg.sat else None
-
-
-def _anchor(inputs: LossInputs, anchor: Anchor) -> torch.Tensor:
-    return inputs.behaviour if anchor == "behaviour" else inputs.proximal
-
-
-def _gspo(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
-    return gspo_loss(
-        inputs.logprobs,
-        _anchor(inputs, cfg.gspo.ratio_anchor),
-        inputs.advantages,
-        inputs.mask,
-        _clip(cfg),
-        cfg.name == "gspo_token",
-        _sat(cfg),
-        inputs.behaviour,
-        sat_threshold=inputs.sat_threshold,
-        denominator=inputs.denominator,
-    )
-
-
-def _grpo(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
-    return grpo_loss(
-        inputs.logprobs,
-        _anchor(inputs, cfg.grpo.ratio_anchor),
-        inputs.advantages,
-        inputs.mask,
-        _clip(cfg),
-        cfg.grpo.aggregation,
-        _sat(cfg),
-        inputs.behaviour,
-        sat_threshold=inputs.sat_threshold,
-        denominator=inputs.denominator,
-    )
-
-
-def _decoupled_ppo(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
-    return decoupled_ppo_loss(
-        inputs.logprobs,
-        inputs.proximal,
-        inputs.behaviour,
-        inputs.advantages,
-        inputs.mask,
-        _clip(cfg),
-        behaviour_weight=cfg.decoupled_ppo.behaviour_weight,
-        weight_cap=cfg.decoupled_ppo.weight_cap,
-        aggregation=cfg.decoupled_ppo.aggregation,
-        sat=_sat(cfg),
-        sat_threshold=inputs.sat_threshold,
-        denominator=inputs.denominator,
-    )
-
-
-def _gmc(inputs: LossInputs, cfg: LossConfig) -> LossOutput:
-    return gmc_loss(
-        inputs.logprobs,
-        inputs.behaviour,
-        inputs.advantages,
-        inputs.mask,
-        inputs.groups,
-        eps=cfg.gmc.eps,
-        denominator=inputs.denominator,
-    )
-
-
-POLICY_LOSSES: dict[LossName, PolicyLoss] = {
-    "gspo": _gspo,
-    "gspo_token": _gspo,
-    "grpo": _grpo,
-    "decoupled_ppo": _decoupled_ppo,
-    "gmc": _gmc,
-}
-"""`learner.loss.name` → the loss. A new loss: a pure function in `trainer.losses`, an adapter here
-with this signature, its name in `LossName`, and its own knobs in a section of `LossConfig`."""
 
 
 @dataclass(frozen=True)
@@ -393,8 +140,8 @@ class LearnerConfig:
             raise ValueError(f"advantage_std must be population or unbiased, got {self.advantage_std!r}")
         if not all(0 <= beta < 1 for beta in self.betas) or self.weight_decay < 0:
             raise ValueError(f"betas must lie in [0, 1) and weight_decay >= 0, got {self.betas}")
-        _check_choice("parallel", self.parallel, ("none", "fsdp"))
-        _check_choice("mixed_precision", self.mixed_precision, ("auto", "bf16", "fp32"))
+        check_choice("parallel", self.parallel, ("none", "fsdp"))
+        check_choice("mixed_precision", self.mixed_precision, ("auto", "bf16", "fp32"))
         if self.world_size < 1 or (self.parallel == "none" and self.world_size != 1):
             raise ValueError(
                 f"world_size must be >= 1, and 1 unless parallel=fsdp; got {self.world_size} with "
@@ -494,6 +241,7 @@ class Learner:
         """Updates applied so far: the policy version of the weights now in `model`."""
         self.counts: Counter[str] = Counter()
         """Skips and leave-outs by reason (see the module docstring)."""
+        self._policy_loss = self.config.loss.loss
         if self.config.routing_replay:  # an MoE R3 cannot replay fails here, not after the first rollouts
             check_replay_support(model)
         try:
@@ -633,9 +381,8 @@ class Learner:
         return chunks
 
     def _uses_proximal(self) -> bool:
-        """Whether the loss anchors its ratio at the weights before the step's first update."""
-        cfg = self.config.loss
-        return cfg.name == "decoupled_ppo" or cfg.ratio_anchor == "recompute"
+        """Whether the loss reads the log-probs of the weights before the step's first update."""
+        return self.config.loss.uses_proximal
 
     @torch.no_grad()
     def _proximal(self, prepared: _Prepared) -> list[torch.Tensor]:
@@ -674,7 +421,7 @@ class Learner:
         cfg = self.config.loss
         chunks = self._micro_batches(prepared, members)
         trajectories = [prepared.trajectories[i] for i in members]
-        unit = mean_unit(cfg.name, cfg.aggregation)
+        unit = cfg.mean_unit
         tokens = sum(t.num_model_tokens for t in trajectories)
         denominator = float(tokens if unit == "token" else len(trajectories))
         # This rank's micro-batches (all of them in one process), collated once: SAT's quantile pass and
@@ -713,8 +460,8 @@ class Learner:
         """SAT's quantile over the whole mini-batch (`count` micro-batches, this rank's `mine`, every
         rank's values) at the current weights; None when one micro-batch holds it (the loss then takes its
         own) or SAT is off."""
-        cfg, sat = self.config.loss, _sat(self.config.loss)
-        if sat is None or cfg.name == "gmc" or count < 2:
+        measure, sat = self.config.loss.loss.sat, sat_config(self.config.loss)
+        if sat is None or measure is None or count < 2:
             return None
         values: list[torch.Tensor] = []
         for (chunk, counted), batch in zip(mine, batches, strict=True):
@@ -726,7 +473,7 @@ class Learner:
             mask, behaviour = batch.loss_mask, batch.behaviour.to(current.dtype)
             if not counted:
                 continue
-            if cfg.name in ("gspo", "gspo_token"):
+            if measure == "sequence":
                 values.append(sequence_staleness(current, behaviour, mask)[mask.any(-1)])
             else:
                 values.append((current - behaviour)[mask])
@@ -792,8 +539,8 @@ class Learner:
                 # ended the micro-batch above (`nonfinite_logprobs`), as entropy_from_logits would.
                 entropy = entropy_from_logits(logits, mask, self.config.temperature)
             # The shares' own entries: tokens (grpo, decoupled_ppo), sequences (gspo), groups (gmc).
-            name = self.config.loss.name
-            units = {"grpo": chunk_tokens, "decoupled_ppo": chunk_tokens, "gmc": len(set(groups.tolist()))}
+            entries = self.config.loss.loss.entries
+            units = {"token": chunk_tokens, "group": len(set(groups.tolist())), "sequence": len(chunk)}
             totals.add(
                 _PER_TOKEN,
                 {
@@ -811,7 +558,7 @@ class Learner:
                     "sat_active_rate": float(output.sat_active),
                     "sat_contraction": float(output.mean_contraction),
                 },
-                units.get(name, len(chunk)),
+                units[entries],
             )
             if first_epoch:
                 log_ratio = (logprobs - batch.behaviour)[mask]
@@ -849,7 +596,7 @@ class Learner:
             sat_threshold=threshold,
             denominator=denominator,
         )
-        return POLICY_LOSSES[self.config.loss.name](inputs, self.config.loss)
+        return self._policy_loss.compute(inputs, self.config.loss)
 
     def _kl(self, logprobs: torch.Tensor, batch: TokenBatch) -> torch.Tensor | None:
         if self.reference is None:

@@ -28,8 +28,9 @@ from agents.rollout import RolloutDriver
 from agents.trajectory import Status, Trajectory
 from envs import Task
 from trainer.checkpoint import Checkpoint, restore_rng, save_checkpoint
+from trainer.host_memory import free_heap_gb, peak_rss_gb, return_free_heap, rss_gb
 from trainer.learner import LearnerLike, StepResult
-from trainer.metrics import MetricsWriter, peak_rss_gb, rss_gb
+from trainer.metrics import MetricsWriter
 from trainer.pool import StalenessSummary, TrajectoryPool, staleness_summary
 
 log = logging.getLogger(__name__)
@@ -284,27 +285,22 @@ class Run:
         older than the cap, so every group is rejected, and the weights are published only after a step.
         """
         config, pool, filter_config = self.config, self.pool, self.pool.config
+        chosen, settings = filter_config.filter, filter_config.settings
         lag = self.learner.version - self.engine.version
-        if filter_config.name == "max_age" and lag > filter_config.max_age.versions:
+        rejects_all = chosen.stall(settings, lag) if chosen.stall is not None else None
+        if rejects_all:
             return (
-                f"filter.max_age.versions={filter_config.max_age.versions} rejects every group, because the "
-                f"engine serves version {self.engine.version} until the next publication (every "
-                f"loop.sync_interval={config.sync_interval} updates) and the trainer is at version "
-                f"{self.learner.version}; set filter.max_age.versions >= loop.sync_interval - 1"
+                f"{rejects_all} (the engine serves version {self.engine.version} until the next publication, "
+                f"every loop.sync_interval={config.sync_interval} updates, and the trainer is at version "
+                f"{self.learner.version})"
             )
         if len(pool) >= config.batch_groups or self._running or self._saved_in_flight:
             return None
         if pool.admission(self.step, 0, config.batch_groups, max(0, lag)) > 0:
             return None
         detail = ""
-        if filter_config.name == "admission":
-            cap = (filter_config.admission.max_offpolicyness + self.step - lag + 1) * config.batch_groups
-            detail = (
-                f" (it allows (filter.admission.max_offpolicyness + steps - weight lag + 1)·loop.batch_groups"
-                f" = {cap} groups after {self.step} steps with the engine {lag} versions behind, and "
-                f"{pool.accepted_groups} were accepted already; was the run resumed with a smaller "
-                f"loop.batch_groups?)"
-            )
+        if chosen.closed is not None:
+            detail = f" ({chosen.closed(settings, pool, self.step, lag, config.batch_groups)})"
         return (
             f"the pool holds {len(pool)} of the {config.batch_groups} groups a batch needs, no rollout is "
             f"in flight and the {filter_config.name} filter admits none{detail}"
@@ -387,7 +383,10 @@ class Run:
             elapsed_s=time.time() - self._started,
             updated=float(result.updated),
         )
-        # Where a long run's memory goes: resident now and at its peak (a real model's run grew, issue 28).
+        # Where a long run's memory goes: resident now and at its peak, and what the heaps hold free
+        # before they hand it back (a real model's run grew until it was killed, issue 28).
+        scalars["memory/free_heap_gb"] = free_heap_gb()
+        return_free_heap()
         scalars.update({"memory/rss_gb": rss_gb(), "memory/peak_rss_gb": peak_rss_gb()})
         scalars.update({f"rejected/{k}": float(v) for k, v in self.pool.rejections.items()})
         scalars.update({f"skipped/{k}": float(v) for k, v in self.learner.counts.items()})

@@ -11,8 +11,9 @@ be minimised.
 Micro-batching. A caller that splits one batch into parts and accumulates gradients passes each part the
 whole batch's figures, so that the parts' losses sum to the whole batch's loss exactly, for token means
 and sequence means alike: `denominator` (the batch's count of what the mean is over: trainable tokens for
-token means, sequences with trainable tokens for sequence means, see `mean_unit`) and `sat_threshold`
-(SAT's quantile over the whole batch, from `sat_threshold` on the batch's staleness).
+token means, sequences with trainable tokens for sequence means; each loss declares which in
+`trainer.policy_losses`) and `sat_threshold` (SAT's quantile over the whole batch, from `sat_threshold` on
+the batch's staleness).
 """
 
 from __future__ import annotations
@@ -73,15 +74,6 @@ class LossOutput:
     sat_active: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     """Share (of the entries `clip_fraction` counts) whose active term is a bound SAT contracted and the
     base trust region would not have clipped: where SAT changed the gradient (0 without SAT)."""
-
-
-def mean_unit(
-    name: str, aggregation: Literal["sequence", "token"] = "sequence"
-) -> Literal["sequence", "token"]:
-    """What a loss averages over, so the `denominator` a part of a batch needs: `token` for grpo and
-    decoupled_ppo with token aggregation, `sequence` for every other case (gspo, gspo_token, gmc, and
-    grpo/decoupled_ppo with sequence aggregation)."""
-    return "token" if name in ("grpo", "decoupled_ppo") and aggregation == "token" else "sequence"
 
 
 def sequence_staleness(

@@ -34,15 +34,16 @@ import typing
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
 from agents.trajectory import Status, Trajectory
 
-FilterName: TypeAlias = Literal["none", "max_age", "admission", "pace"]
-FILTER_NAMES: tuple[FilterName, ...] = ("none", "max_age", "admission", "pace")
+if TYPE_CHECKING:
+    from trainer.filters import StalenessFilter
+
 
 DriftScorer: TypeAlias = Callable[[Sequence[Trajectory]], Sequence[float] | npt.NDArray[np.floating[Any]]]
 """Re-scores trajectories under the current policy: one prefix drift F ≥ 0 per trajectory, in order
@@ -117,7 +118,7 @@ class AdmissionSettings:
 class PaceSettings:
     """pace: PACE's adaptive rejection budget and effective-staleness ranking."""
 
-    target_groups: int = 8
+    target_groups: int = 24
     """P*, the target pool occupancy in groups; occupancy above it builds the rejection budget. Batches
     are drawn in arrival order, so at occupancy P a group waits at most ⌈P/batch⌉ steps
     (`TrajectoryPool.select`). >= 1."""
@@ -135,9 +136,9 @@ class PaceSettings:
 
 @dataclass(frozen=True)
 class FilterConfig:
-    """Which staleness filter the pool applies (group units throughout). Each filter's own knobs sit in
-    its section (`max_age`, `admission`, `pace`); only the chosen filter's section is read, so a sweep
-    over `name` can keep every section set."""
+    """Which staleness filter the pool applies (group units throughout). Each built-in filter's own knobs
+    sit in its section (`max_age`, `admission`, `pace`), a user's filter's in `options`; only the chosen
+    filter's are read, so a sweep over `name` can keep every section set."""
 
     moved_keys: typing.ClassVar[dict[str, str]] = {
         "max_age": "max_age.versions",
@@ -148,9 +149,10 @@ class FilterConfig:
     }
     """Keys of earlier versions → where they live now (the config loader names the new place)."""
 
-    name: FilterName = "pace"
-    """`none`, `max_age`, `admission` (AReaL's η) or `pace` (PACE's adaptive rejection budget)."""
-    max_concurrent_groups: int = 16
+    name: str = "pace"
+    """`none`, `max_age`, `admission` (AReaL's η), `pace` (PACE's adaptive rejection budget), or a user's
+    filter as module:name (a `StalenessFilter`, see `FILTERS`)."""
+    max_concurrent_groups: int = 24
     """Groups in flight at most; every filter's `admission` honours it. >= 1."""
     max_age: MaxAgeSettings = field(default_factory=MaxAgeSettings)
     """max_age's own knobs."""
@@ -158,11 +160,38 @@ class FilterConfig:
     """admission's own knobs."""
     pace: PaceSettings = field(default_factory=PaceSettings)
     """pace's own knobs."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """A user's filter's own knobs, given to its `StalenessFilter.settings` class (a built-in takes none)."""
 
     def __post_init__(self) -> None:
-        if self.name not in FILTER_NAMES:
-            raise ValueError(f"name must be one of {FILTER_NAMES}, got {self.name!r}")
+        chosen = self.filter
+        if self.options and (chosen.section or chosen.settings is None):
+            where = f"filter.{chosen.section}" if chosen.section else "no options"
+            raise ValueError(f"filter {self.name!r} takes {where}, not filter.options")
+        self.settings  # noqa: B018 (a user's options are checked by building its settings)
         _check_int("max_concurrent_groups", self.max_concurrent_groups, 1)
+
+    @property
+    def filter(self) -> StalenessFilter:
+        """The chosen filter."""
+        # trainer.filters declares the built-in filters with the pool's own selection methods, so it
+        # imports this module: the lookup is imported here, when a config is built, not at import time.
+        from trainer.filters import staleness_filter
+
+        return staleness_filter(self.name)
+
+    @property
+    def settings(self) -> Any:
+        """The chosen filter's own knobs: its section, or its `options` built into its settings class."""
+        chosen = self.filter
+        if chosen.section:
+            return getattr(self, chosen.section)
+        if chosen.settings is None:
+            return None
+        try:
+            return chosen.settings(**self.options)
+        except TypeError as error:
+            raise ValueError(f"filter.options do not fit {chosen.settings.__name__}: {error}") from None
 
 
 # -- pure functions ------------------------------------------------------------------------------------
@@ -616,23 +645,16 @@ class TrajectoryPool:
     ) -> int:
         """How many new groups the rollout side may start now, `trainer_steps` training steps into the
         run (updated or skipped; not the policy version, which a skipped step leaves where it was), with
-        the engine's weights `weight_lag` versions behind the trainer's: AReaL's `admission_capacity`
-        under the `admission` filter, otherwise only the concurrency cap, max(0, max_concurrent − running)."""
-        config = self.config
-        if config.name == "admission":
-            return admission_capacity(
-                trainer_steps=trainer_steps,
-                running_groups=running_groups,
-                accepted_groups=self.accepted_groups,
-                batch_groups=batch_groups,
-                max_concurrent_groups=config.max_concurrent_groups,
-                max_offpolicyness=config.admission.max_offpolicyness,
-                weight_lag=weight_lag,
-            )
+        the engine's weights `weight_lag` versions behind the trainer's: the filter's own gate if it has one
+        (AReaL's `admission_capacity` under `admission`), otherwise only the concurrency cap,
+        max(0, max_concurrent − running)."""
+        gate = self.config.filter.admission
+        if gate is not None:
+            return gate(self, trainer_steps, running_groups, batch_groups, weight_lag)
         _check_int("trainer_steps", trainer_steps, 0)
         _check_int("batch_groups", batch_groups, 1)
         _check_int("weight_lag", weight_lag, 0)
-        return max(0, config.max_concurrent_groups - _check_int("running_groups", running_groups, 0))
+        return max(0, self.config.max_concurrent_groups - _check_int("running_groups", running_groups, 0))
 
     def select(
         self, batch_groups: int, v_now: int, drift: DriftScorer | None = None
@@ -679,16 +701,19 @@ class TrajectoryPool:
         """
         batch_groups = _check_int("batch_groups", batch_groups, 1)
         v_now = self._checked_version(v_now)
-        cols = self._cols
         # The newest completion ever added stands for the pooled ones: a group that left did so at a
         # select whose v_now (<= this one) was at least its completed_version.
         if self._max_done > v_now:
             raise ValueError(f"trainer version {v_now} is behind a pooled trajectory's completed_version")
         self.last_v_now = v_now
-        rows = np.flatnonzero(cols.alive[: self._rows])
-        starts = np.flatnonzero(np.diff(cols.seq[rows], prepend=-1))  # first row of each group
-        rule, reason = SELECTION_RULES[self.config.name]
-        rejected, drawn = rule(self, rows, starts, batch_groups, v_now, drift)
+        rows, starts = self._live_index()
+        chosen = self.config.filter
+        rejected, drawn = _checked_selection(chosen.select(self, batch_groups, v_now, drift), starts.size)
+        if drawn.size > batch_groups:
+            raise ValueError(
+                f"filter {self.config.name!r} drew {drawn.size} groups for a batch of {batch_groups}"
+            )
+        reason = chosen.reason
         first_rows = rows[starts]  # ids looked up only for the groups that leave: O(removed), not O(pool)
         rejected_ids = [self._trajectories[row].group_id for row in first_rows[np.sort(rejected)]]
         drawn_ids = [self._trajectories[row].group_id for row in first_rows[drawn]]
@@ -699,6 +724,15 @@ class TrajectoryPool:
         self.counts["drawn_trajectories"] += sum(len(group) for group in batch)
         self._remove([*rejected_ids, *drawn_ids])
         return batch
+
+    def pooled_groups(self) -> list[list[Trajectory]]:
+        """The pooled groups in arrival order: what a filter's positions index."""
+        return [self._trajectories[start:stop] for start, stop in self._groups.values()]
+
+    def _live_index(self) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+        """(the live rows in arrival order, each group's first position among them)."""
+        rows = np.flatnonzero(self._cols.alive[: self._rows])
+        return rows, np.flatnonzero(np.diff(self._cols.seq[rows], prepend=-1))
 
     def _keep_all(
         self,
@@ -886,19 +920,17 @@ def _counter(name: str, value: object) -> Counter[str]:
     return Counter(value)
 
 
-SelectionRule = Callable[
-    [TrajectoryPool, npt.NDArray[np.intp], npt.NDArray[np.intp], int, int, DriftScorer | None],
-    tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]],
-]
-"""A filter's selection: (pool, live rows in arrival order, each group's first position among them,
-batch size, v_now, drift scorer) → (positions of the groups rejected, positions of the groups drawn)."""
-
-SELECTION_RULES: dict[FilterName, tuple[SelectionRule, str]] = {
-    "none": (TrajectoryPool._keep_all, ""),
-    "admission": (TrajectoryPool._keep_all, ""),
-    "max_age": (TrajectoryPool._max_age, "max_age"),
-    "pace": (TrajectoryPool._pace, "pace_budget"),
-}
-"""`filter.name` → its selection rule and the reason its rejections are counted under. A new filter:
-its name in `FilterName`, its knobs in a section of `FilterConfig`, a rule here (and, if it gates
-starts, a branch in `TrajectoryPool.admission`)."""
+def _checked_selection(
+    selection: tuple[Any, ...], groups: int
+) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """A filter's (rejected, drawn) as position arrays, ValueError unless they are valid."""
+    if not (isinstance(selection, tuple) and len(selection) == 2):
+        raise ValueError(f"a filter's select returns (rejected, drawn) positions, got {selection!r}")
+    rejected, drawn = (np.asarray(part, dtype=np.intp).reshape(-1) for part in selection)
+    every = np.concatenate([rejected, drawn])
+    if every.size and (every.min() < 0 or every.max() >= groups or np.unique(every).size != every.size):
+        raise ValueError(
+            f"a filter's positions must be distinct and in [0, {groups}), got rejected {rejected.tolist()} "
+            f"and drawn {drawn.tolist()}"
+        )
+    return rejected, drawn

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pacerl.lab.presets import Preset
 
 FILTERS = ("none", "max_age", "admission", "pace")
-"""trainer.pool.FILTER_NAMES (a test keeps them equal): listed here so the parser imports no torch."""
+"""trainer.filters.BUILT_IN_FILTERS (a test keeps them equal): listed here so the parser imports no torch."""
 PRESET_NAMES = ("areal", "verl", "pacerl-cpu")
 """pacerl.lab.presets.PRESETS' names (a test keeps them equal)."""
 SIMULATION_FILE = "simulation.json"
@@ -122,7 +122,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             place = filter_.setdefault(section, {}) if section else filter_
             place[key] = _integer(option, raw, minimum)
     if args.filter is not None:
-        filter_["name"] = _choice("--filter", args.filter, FILTERS)
+        # a user's filter (module:name) is checked by the config, which imports its module
+        filter_["name"] = args.filter if ":" in args.filter else _choice("--filter", args.filter, FILTERS)
     if "batch_groups" in data:
         filter_.setdefault("max_concurrent_groups", 8 * data["batch_groups"])
         filter_.setdefault("pace", {}).setdefault("target_groups", data["batch_groups"])
@@ -169,7 +170,7 @@ def build_config(args: argparse.Namespace) -> tuple[SimConfig, Preset | None]:
             source = f"--config {args.config}" if args.config is not None else "key=value"
             raise ValueError(f"{source}: {error}") from None
     if args.trace is not None:
-        from agents.trajectory import load_jsonl
+        from agents.trajectory_io import load_jsonl
 
         try:
             workload = workload_from_trace(

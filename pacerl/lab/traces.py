@@ -10,7 +10,7 @@ from pacerl.lab.costs import Distribution, WorkloadConfig
 
 
 def workload_from_trace(trajectories: Sequence[Trajectory], group_size: int | None = None) -> WorkloadConfig:
-    """A workload resampled from measured trajectory records (`agents.trajectory.load_jsonl`): empirical
+    """A workload resampled from measured trajectory records (`agents.trajectory_io.load_jsonl`): empirical
     prompt lengths, turns, tokens per turn (a turn is a run of model segments, interruptions merged),
     tool-response tokens, and tool latency (from a turn's last model segment ending to the next turn's
     first one starting: the tool plus the env step). `group_size` defaults to the most common group

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -15,21 +15,57 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from agents.engine.embedded import EmbeddedEngineConfig
+from agents.engine.sglang import SGLangOptions
 from agents.rollout import EpisodeEnv
 from envs import ToolEnv
-from pacerl.config import RaySpec, RunConfig
 from pacerl.ray_runtime.engines import EngineActor, EngineRouter, EngineSpec
 from pacerl.ray_runtime.envs import EnvWorker, RemoteEnv
 from pacerl.ray_runtime.learner import RemoteLearner, TrainerActor
 from pacerl.ray_runtime.supervisor import FaultLog, Slot, Supervisor, brief, quiet
 from pacerl.ray_runtime.weights import ModelRecipe, WeightSpec
+from trainer.learner import LearnerConfig
 from trainer.loop import Run
+
+if TYPE_CHECKING:
+    from pacerl.config import RaySpec, RunConfig
 
 NAMESPACE = "pacerl"
 """The Ray namespace of the actors of a run that connects by itself (`ray list actors`,
 `ray.get_actor(name, namespace=NAMESPACE)`); each actor's name holds the run directory."""
 FAULT_LOG = "faults.jsonl"
 """The run directory's log of every recovery, one JSON object a line."""
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    """What the Ray runtime reads of a run's config (`of` picks it out of a `RunConfig`)."""
+
+    ray: RaySpec
+    """The cluster and the actors' resources."""
+    learner: LearnerConfig
+    """The trainer actors' learner."""
+    seed: int
+    """The run's seed (the trainer actors seed torch with it)."""
+    engine_backend: str
+    """`embedded` (engine replicas hold the model) or `sglang` (replicas are clients of servers)."""
+    engine: EmbeddedEngineConfig
+    """The embedded replicas' engine (replica i seeded with `engine.seed + i`)."""
+    sglang: SGLangOptions
+    """The SGLang clients' options (one server per replica)."""
+    model_path: str | None
+    """The checkpoint SGLang servers load when `sglang.base_model_dir` is unset."""
+
+    @classmethod
+    def of(cls, config: RunConfig) -> RaySettings:
+        return cls(
+            config.ray,
+            config.learner,
+            config.seed,
+            config.engine_backend,
+            config.engine,
+            config.sglang,
+            config.model.path,
+        )
 
 
 def connect(spec: RaySpec) -> bool:
@@ -50,7 +86,7 @@ class RayRuntime:
 
     def __init__(
         self,
-        config: RunConfig,
+        config: RaySettings,
         run_dir: Path,
         model: Any,
         tokenizer: Any,
@@ -74,7 +110,7 @@ class RayRuntime:
             raise
 
     def _start(
-        self, config: RunConfig, run_dir: Path, tokenizer: Any, make_env: Callable[[], ToolEnv]
+        self, config: RaySettings, run_dir: Path, tokenizer: Any, make_env: Callable[[], ToolEnv]
     ) -> None:
         spec, model = self.spec, self.model
         prefix = f"pacerl:{run_dir.resolve()}"
@@ -172,7 +208,7 @@ class RayRuntime:
             raise RuntimeError(f"an actor of the run failed to start: {brief(error)}") from None
 
     def _start_trainers(
-        self, config: RunConfig, prefix: str, recipe: ModelRecipe, initial: Any, pad_id: int
+        self, config: RaySettings, prefix: str, recipe: ModelRecipe, initial: Any, pad_id: int
     ) -> list[Any]:
         """The trainer actor, or with `learner.parallel = "fsdp"` one per rank, packed into one
         placement group (each bundle the CPUs and GPUs of `ray.trainer_cpus` and `ray.trainer_gpus`)."""
@@ -227,7 +263,9 @@ class RayRuntime:
         return list(specs)
 
 
-def _engine_specs(config: RunConfig, run_dir: Path, recipe: ModelRecipe, tokenizer: Any) -> list[EngineSpec]:
+def _engine_specs(
+    config: RaySettings, run_dir: Path, recipe: ModelRecipe, tokenizer: Any
+) -> list[EngineSpec]:
     spec = config.ray
     threads = _threads(spec.engine_cpus)
     device = "cuda" if spec.engine_gpus > 0 else "cpu"
@@ -251,7 +289,7 @@ def _engine_specs(config: RunConfig, run_dir: Path, recipe: ModelRecipe, tokeniz
                 config.sglang,
                 url=url,
                 weights_dir=str(weights / f"replica-{i}"),  # each server loads its own copy
-                base_model_dir=config.sglang.base_model_dir or config.model.path,
+                base_model_dir=config.sglang.base_model_dir or config.model_path,
             ),
             threads,
             device,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agents.engine import FinishReason, Generation, SamplingParams
+from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe, save_model
 from agents.rollout import RolloutConfig, RolloutDriver
 from agents.tokenizer import TokenizerFamily, default_corpus, tiny_tokenizer, train_tokenizer

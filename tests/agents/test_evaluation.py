@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.engine import FinishReason, Generation, SamplingParams
+from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.evaluation import EvalConfig, avg_at_k, evaluate, pass_at_k
 from agents.models import build_tiny_moe, save_model
 from agents.tokenizer import tiny_tokenizer

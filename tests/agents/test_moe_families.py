@@ -18,7 +18,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from agents.engine import EmbeddedEngine, EmbeddedEngineConfig, SamplingParams
+from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from agents.engine.protocol import SamplingParams
 from agents.models import (
     MOE_FAMILIES,
     UnsupportedMoEError,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from agents.engine import EmbeddedEngine
+from agents.engine.embedded import EmbeddedEngine
 from agents.engine.openai_chat import (
     NOT_RUN,
     ChatAnswer,

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from agents.engine import EmbeddedEngine, FinishReason, Generation, SamplingParams
+from agents.engine.embedded import EmbeddedEngine
+from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe
 from agents.rollout import ENGINE_BACKOFF_CAP_S, RolloutConfig, RolloutDriver, retry_delay
 from agents.tokenizer import tiny_tokenizer

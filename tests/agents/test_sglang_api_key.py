@@ -7,8 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from agents.engine import EmbeddedEngine, SamplingParams, SGLangEngine, SGLangOptions
-from agents.engine.sglang import SGLangRequestError
+from agents.engine.embedded import EmbeddedEngine
+from agents.engine.protocol import SamplingParams
+from agents.engine.sglang import SGLangEngine, SGLangOptions, SGLangRequestError
 from tests.agents.test_engine import tiny_moe
 from tests.helpers import ThreadServer, record_http_requests
 from tests.sglang_standin import create_standin_app

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from agents.engine import EmbeddedEngine
+from agents.engine.embedded import EmbeddedEngine
 from agents.engine.protocol import FinishReason, SamplingParams
 from agents.engine.sglang import SGLangEngine, SGLangOptions, SGLangRequestError, SGLangUnavailable
 from agents.engine.weight_group import WeightBroadcastGroup, describe

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, MixtralForCausalLM, PreTrainedModel
 
-from agents.engine import EmbeddedEngine
+from agents.engine.embedded import EmbeddedEngine
 from agents.models import load_model, moe_info, save_model
 from agents.tokenizer import tiny_tokenizer
 from agents.upcycle import DEFAULT_ROUTER_STD, UPCYCLABLE, upcycle_to_mixtral

@@ -11,7 +11,7 @@ import gymnasium
 import pyarrow.parquet as pq
 import pytest
 
-from agents.engine import FinishReason, Generation, SamplingParams
+from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.rollout import RolloutConfig, RolloutDriver
 from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Origin, Status

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.engine import FinishReason, Generation, SamplingParams
+from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.evaluation import EvalConfig, EvalReport, evaluate
 from agents.tokenizer import tiny_tokenizer
 from envs import Task

@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from agents.engine import EmbeddedEngine
-from agents.engine.embedded import EmbeddedEngineConfig
+from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.models import load_model
 from agents.rollout import RolloutDriver, append_generation

@@ -15,6 +15,7 @@ import pytest
 
 from agents.trajectory import Origin, Segment, Status, Trajectory
 from pacerl.cli import main
+from pacerl.config import EMULATION_PRESETS
 from pacerl.lab import simulate_cli as cli_simulate
 from pacerl.lab.config import SimConfig, config_from_dict
 from pacerl.lab.costs import Distribution, InferenceConfig, TrainerConfig, WorkloadConfig
@@ -23,8 +24,8 @@ from pacerl.lab.presets import PRESETS
 from pacerl.lab.results import ModeResult, bounds
 from pacerl.lab.traces import workload_from_trace
 from pacerl.settings import config_to_dict
+from trainer.filters import BUILT_IN_FILTERS
 from trainer.pool import (
-    FILTER_NAMES,
     AdmissionSettings,
     FilterConfig,
     MaxAgeSettings,
@@ -384,8 +385,8 @@ def test_bad_options_get_a_one_line_error(
 
 def test_the_command_keeps_its_name_lists_in_step() -> None:
     # pacerl.lab.simulate_cli lists them itself so that `pacerl --help` need not import the trainer
-    assert cli_simulate.FILTERS == FILTER_NAMES
-    assert tuple(PRESETS) == cli_simulate.PRESET_NAMES
+    assert cli_simulate.FILTERS == BUILT_IN_FILTERS
+    assert tuple(PRESETS) == cli_simulate.PRESET_NAMES == EMULATION_PRESETS
 
 
 def test_key_value_overrides_set_the_config_between_the_file_and_the_flags(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.engine import EmbeddedEngine
+from agents.engine.embedded import EmbeddedEngine
 from agents.models import build_tiny_moe, save_model
 from agents.tokenizer import tiny_tokenizer
 from envs.code_math import SYSTEM_PROMPT as CODE_MATH_PROMPT

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.engine import EmbeddedEngine
+from agents.engine.embedded import EmbeddedEngine
 from agents.models import build_tiny_moe, load_model, save_model
 from agents.tokenizer import tiny_tokenizer
 from envs.suites import BENCHMARKS, SUITES

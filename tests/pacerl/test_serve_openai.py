@@ -24,12 +24,13 @@ import openai
 import psutil
 import pytest
 
-from agents.engine import EmbeddedEngine, FinishReason, Generation, SamplingParams
+from agents.engine.embedded import EmbeddedEngine
+from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe
 from agents.tokenizer import tiny_tokenizer
 from envs.code_math import CodeMathEnv
 from pacerl.serve_openai import create_app, error_body, split_tool_calls
-from sandbox._http_guard import MIB, HttpGuardConfig
+from sandbox.http_guard import MIB, HttpGuardConfig
 from tests.helpers import ThreadServer, free_port
 from tests.hostile_http import (
     PATIENCE_S,

@@ -24,11 +24,12 @@ import pytest
 import ray
 import torch
 
-from agents.engine import EmbeddedEngine, SamplingParams
+from agents.engine.embedded import EmbeddedEngine
+from agents.engine.protocol import SamplingParams
 from agents.models import load_model
 from pacerl.assembly import env_factory, load_policy
 from pacerl.config import ConfigError, config_from_dict, load_config
-from pacerl.ray_runtime.runtime import FAULT_LOG, NAMESPACE, RayRuntime
+from pacerl.ray_runtime.runtime import FAULT_LOG, NAMESPACE, RayRuntime, RaySettings
 from pacerl.train import train
 from tests.helpers import rewards, small_run
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
@@ -215,7 +216,7 @@ def test_a_weight_update_reaches_every_replica_with_its_version(
             assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
 
     async def scenario() -> None:
-        runtime = RayRuntime(config, tmp_path / "run", model, tokenizer, env_factory(config))
+        runtime = RayRuntime(RaySettings.of(config), tmp_path / "run", model, tokenizer, env_factory(config))
         try:
             await publish_while_generating(runtime, 1)  # by broadcast
             ray.kill(runtime.engine.replicas[0])
@@ -360,7 +361,9 @@ def test_nccl_broadcast_between_gpus(warm_model: tuple[Path, Path], tmp_path: Pa
         model, tokenizer = load_policy(config)
 
         async def scenario() -> None:
-            runtime = RayRuntime(config, tmp_path / "run", model, tokenizer, env_factory(config))
+            runtime = RayRuntime(
+                RaySettings.of(config), tmp_path / "run", model, tokenizer, env_factory(config)
+            )
             try:
                 state = runtime.learner.state_dict()
                 state["model"] = {name: t + 0.01 * torch.randn_like(t) for name, t in state["model"].items()}

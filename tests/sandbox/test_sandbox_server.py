@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from pacerl.cli import main
 from sandbox import ExecStatus, Limits, Sandbox, SandboxUsageError
-from sandbox._http_guard import (
+from sandbox.http_guard import (
     ACCEPT_FAILED,
     MIB,
     BodyBudget,
@@ -805,7 +805,7 @@ def test_the_open_file_limit_is_raised_or_the_connection_cap_lowered() -> None:
     """A server raises its soft limit on open files to fit its connections, an accept backlog's worth
     more twice over and SPARE_FILES; under a hard limit too low for that, fewer connections are kept."""
     probe = (
-        "import resource, sys; from sandbox._http_guard import allow_open_files; "
+        "import resource, sys; from sandbox.http_guard import allow_open_files; "
         "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
         "fits = [allow_open_files(n) for n in (50, 2048)]; "
         "print(*fits, resource.getrlimit(resource.RLIMIT_NOFILE)[0])"

@@ -24,7 +24,8 @@ from tests.helpers import free_port
 from tests.trainer.test_learner import small_model
 from tests.trainer.test_learner_updates import ragged_groups_of_small_model
 from trainer.distributed import Ranks, join
-from trainer.learner import DecoupledPPOSettings, GRPOSettings, Learner, LearnerConfig, LossConfig
+from trainer.learner import Learner, LearnerConfig
+from trainer.policy_losses import DecoupledPPOSettings, GRPOSettings, LossConfig
 
 WORLD = 2
 FSDP = {"parallel": "fsdp", "world_size": WORLD}

@@ -13,7 +13,8 @@ from agents.models import TinyMoEConfig, build_tiny_moe
 from agents.routing import RoutedExperts
 from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Status, Trajectory
-from trainer.learner import LOSSES, GSPOSettings, Learner, LearnerConfig, LossConfig
+from trainer.learner import Learner, LearnerConfig
+from trainer.policy_losses import BUILT_IN_LOSSES, GSPOSettings, LossConfig
 
 
 def small_model() -> torch.nn.Module:
@@ -76,7 +77,7 @@ def unchanged(model: torch.nn.Module, before: list[torch.Tensor]) -> bool:
     return all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
-@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("loss", BUILT_IN_LOSSES)
 def test_every_loss_takes_a_finite_step_that_favours_the_rewarded_response(loss: str) -> None:
     model = small_model()
     learner = Learner(model, LearnerConfig(loss=LossConfig(name=loss), lr=1e-2))  # type: ignore[arg-type]

@@ -16,15 +16,7 @@ from agents.trajectory import Status, Trajectory
 from pacerl.config import ConfigError, load_config
 from tests.trainer.test_learner import on_policy, small_model, two_groups
 from trainer.batch import TokenBatch, collate, forward_logprobs
-from trainer.learner import (
-    LOSSES,
-    DecoupledPPOSettings,
-    GRPOSettings,
-    GSPOSettings,
-    Learner,
-    LearnerConfig,
-    LossConfig,
-)
+from trainer.learner import Learner, LearnerConfig
 from trainer.losses import (
     ClipConfig,
     SATConfig,
@@ -32,6 +24,14 @@ from trainer.losses import (
     gspo_loss,
     sat_threshold,
     sequence_staleness,
+)
+from trainer.policy_losses import (
+    BUILT_IN_LOSSES,
+    LOSSES,
+    DecoupledPPOSettings,
+    GRPOSettings,
+    GSPOSettings,
+    LossConfig,
 )
 
 RAGGED = [(40, 3, 25, 4), (17, 17, 9, 31), (2, 40, 3, 25), (4, 17, 9, 31), (31, 2, 2, 40), (9, 3, 17, 25)]
@@ -101,7 +101,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 CASES = [
     (loss, sat, aggregation)
-    for loss in LOSSES
+    for loss in BUILT_IN_LOSSES
     for sat in (True, False)
     for aggregation in ("token", "sequence")
     if not (loss == "gmc" and sat) and (aggregation == "token" or loss in ("grpo", "decoupled_ppo"))
@@ -293,24 +293,37 @@ def test_a_max_age_below_the_publication_lag_is_a_config_error() -> None:
     assert load_config(None, ["filter.name=max_age", "filter.max_age.versions=2", "loop.sync_interval=3"])
 
 
-def test_every_loss_name_has_one_registered_function() -> None:
-    from trainer.learner import POLICY_LOSSES
-
-    assert tuple(POLICY_LOSSES) == LOSSES == ("gspo", "gspo_token", "grpo", "decoupled_ppo", "gmc")
-    with pytest.raises(ValueError, match="loss name must be one of"):
-        LossConfig(name="ppo")  # type: ignore[arg-type]
+def test_every_built_in_loss_is_registered_with_its_traits() -> None:
+    assert BUILT_IN_LOSSES == ("gspo", "gspo_token", "grpo", "decoupled_ppo", "gmc")
+    assert all(LOSSES[name].section == ("gspo" if name == "gspo_token" else name) for name in BUILT_IN_LOSSES)
+    # what each averages over and counts, whether it needs the proximal pass, how SAT measures it
+    traits = {
+        name: (LossConfig(name=name).mean_unit, loss.entries, LossConfig(name=name).uses_proximal, loss.sat)
+        for name, loss in LOSSES.items()
+        if name in BUILT_IN_LOSSES
+    }
+    assert traits == {
+        "gspo": ("sequence", "sequence", False, "sequence"),
+        "gspo_token": ("sequence", "sequence", False, "sequence"),
+        "grpo": ("token", "token", False, "token"),
+        "decoupled_ppo": ("token", "token", True, "token"),
+        "gmc": ("sequence", "group", False, None),
+    }
+    with pytest.raises(ValueError, match="loss name must be one of gspo, gspo_token"):
+        LossConfig(name="ppo")
 
 
 def test_each_loss_reads_its_own_section() -> None:
-    assert LossConfig(name="grpo", grpo=GRPOSettings(aggregation="sequence")).aggregation == "sequence"
-    assert LossConfig(name="decoupled_ppo").aggregation == "token"
-    assert LossConfig(name="gspo").aggregation == "sequence"
-    assert (
-        LossConfig(name="gspo_token", gspo=GSPOSettings(ratio_anchor="recompute")).ratio_anchor == "recompute"
-    )
-    assert LossConfig(name="gmc").ratio_anchor is None
+    assert LossConfig(name="grpo", grpo=GRPOSettings(aggregation="sequence")).mean_unit == "sequence"
+    assert LossConfig(
+        name="decoupled_ppo", decoupled_ppo=DecoupledPPOSettings(aggregation="sequence")
+    ).mean_unit == ("sequence")
+    assert LossConfig(name="gspo_token", gspo=GSPOSettings(ratio_anchor="recompute")).uses_proximal
+    assert LossConfig(name="grpo", grpo=GRPOSettings(ratio_anchor="recompute")).uses_proximal
+    assert LossConfig(name="gmc").settings == LossConfig().gmc
     # another loss's section is inert (a sweep over names keeps every section)
-    assert LossConfig(name="decoupled_ppo", grpo=GRPOSettings(aggregation="sequence")).aggregation == "token"
+    assert LossConfig(name="decoupled_ppo", grpo=GRPOSettings(aggregation="sequence")).mean_unit == "token"
+    assert not LossConfig(name="gspo", grpo=GRPOSettings(ratio_anchor="recompute")).uses_proximal
     with pytest.raises(ValueError, match=r"decoupled_ppo\.weight_cap must be > 1"):
         DecoupledPPOSettings(weight_cap=1.0)
     with pytest.raises(

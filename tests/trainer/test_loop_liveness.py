@@ -23,13 +23,12 @@ from agents.trajectory import Status, Trajectory
 from envs import Task
 from tests.scripted import ScriptedEngineBase
 from trainer.checkpoint import latest_checkpoint
+from trainer.filters import BUILT_IN_FILTERS
 from trainer.learner import StepResult
 from trainer.loop import LoopConfig, Run, RunFailedError, train_async, train_sync
 from trainer.pool import (
-    FILTER_NAMES,
     AdmissionSettings,
     FilterConfig,
-    FilterName,
     MaxAgeSettings,
     PaceSettings,
     TrajectoryPool,
@@ -204,7 +203,7 @@ async def run_bounded(
         run.close_metrics()
 
 
-def filter_config(name: FilterName, eta: int) -> FilterConfig:
+def filter_config(name: str, eta: int) -> FilterConfig:
     return FilterConfig(
         name=name,
         max_concurrent_groups=4,
@@ -214,7 +213,7 @@ def filter_config(name: FilterName, eta: int) -> FilterConfig:
     )
 
 
-CASES = [(name, eta) for name in FILTER_NAMES for eta in ((0, 1) if name == "admission" else (0,))]
+CASES = [(name, eta) for name in BUILT_IN_FILTERS for eta in ((0, 1) if name == "admission" else (0,))]
 SKIPS = [(1,), (1, 2), (2, 3, 4), (1, 2, 3, 4, 5, 6)]
 
 
@@ -223,7 +222,7 @@ SKIPS = [(1,), (1, 2), (2, 3, 4), (1, 2, 3, 4, 5, 6)]
     ("name", "eta"), CASES, ids=[f"{n}-eta{e}" if n == "admission" else n for n, e in CASES]
 )
 async def test_every_filter_finishes_a_run_with_skipped_steps(
-    tmp_path: Path, name: FilterName, eta: int, skips: tuple[int, ...]
+    tmp_path: Path, name: str, eta: int, skips: tuple[int, ...]
 ) -> None:
     learner = FakeLearner(skips)
     run = make_run(tmp_path, filter_config(name, eta), learner)

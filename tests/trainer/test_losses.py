@@ -20,7 +20,6 @@ from trainer.losses import (
     grpo_loss,
     gspo_loss,
     kl_k3,
-    mean_unit,
     sat_bounds,
     sat_threshold,
     sequence_staleness,
@@ -726,14 +725,6 @@ def test_sequence_staleness_by_hand() -> None:
     mask = torch.tensor([[True, True, False], [True, False, False], [False, False, False]])
     # (0.4 - 0.2) / 2 = 0.1; -0.6 / 1; 0
     _close(sequence_staleness(logprobs, behaviour, mask), [0.1, -0.6, 0.0])
-
-
-def test_mean_unit_names_what_each_loss_averages_over() -> None:
-    assert mean_unit("grpo", "token") == "token" and mean_unit("decoupled_ppo", "token") == "token"
-    assert mean_unit("grpo") == mean_unit("grpo", "sequence") == "sequence"
-    assert mean_unit("decoupled_ppo", "sequence") == "sequence"
-    for name in ("gspo", "gspo_token", "gmc"):
-        assert mean_unit(name, "token") == mean_unit(name) == "sequence"
 
 
 def test_decoupled_ppo_dual_clip_and_default_cap_by_hand() -> None:

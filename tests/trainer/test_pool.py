@@ -16,7 +16,6 @@ from agents.trajectory import Status, Trajectory
 from trainer.pool import (
     AdmissionSettings,
     FilterConfig,
-    FilterName,
     MaxAgeSettings,
     PaceSettings,
     TrajectoryPool,
@@ -432,7 +431,7 @@ def test_pace_at_or_below_target_leaves_no_group_behind() -> None:
     ("name", "target"),
     [("none", 8), ("max_age", 8), ("admission", 8), ("pace", 8), ("pace", 3), ("pace", 1)],
 )
-def test_every_group_leaves_the_pool_within_the_bound(name: FilterName, target: int) -> None:
+def test_every_group_leaves_the_pool_within_the_bound(name: str, target: int) -> None:
     """`select`'s bound: a group that arrives with a groups ahead of it leaves (drawn or rejected) by the
     ⌈(a + 1)/m⌉-th select after its arrival, m = min(b, P*) under PACE and b otherwise; driven through
     400 steps whose arrivals (0 to 2b a step, b on average) match the b drawn a step."""
@@ -495,7 +494,7 @@ def test_admission_capacity_only_under_the_admission_filter() -> None:
     assert areal.admission(2, running_groups=1, batch_groups=2) == 3
     areal.select(2, 10)
     assert areal.accepted_groups == 4  # drawing does not un-accept: AReaL counts since the start
-    names: tuple[FilterName, ...] = ("none", "max_age", "pace")
+    names: tuple[str, ...] = ("none", "max_age", "pace")
     for name in names:
         pool = pool_of(FilterConfig(name=name, max_concurrent_groups=16))
         assert pool.admission(0, running_groups=1, batch_groups=2) == 15
@@ -769,13 +768,18 @@ def test_effective_staleness_and_prefix_drift_refusals_and_precision() -> None:
         prefix_drift(current, np.array([-1.2, math.nan, -1.0]), mask)
 
 
-def test_every_filter_name_has_one_selection_rule() -> None:
-    from trainer.pool import FILTER_NAMES, SELECTION_RULES
+def test_every_built_in_filter_is_registered_with_its_traits() -> None:
+    from trainer.filters import BUILT_IN_FILTERS, FILTERS
 
-    assert set(SELECTION_RULES) == set(FILTER_NAMES)
-    assert {name: reason for name, (_, reason) in SELECTION_RULES.items()} == {
-        "none": "",
-        "admission": "",
-        "max_age": "max_age",
-        "pace": "pace_budget",
+    assert BUILT_IN_FILTERS == tuple(FILTERS)[:4] == ("none", "max_age", "admission", "pace")
+    traits = {
+        name: (f.reason, f.section, f.admission is not None, f.check is not None, f.stall is not None)
+        for name, f in FILTERS.items()
+        if name in BUILT_IN_FILTERS
+    }
+    assert traits == {
+        "none": ("", "", False, False, False),
+        "admission": ("", "admission", True, True, False),
+        "max_age": ("max_age", "max_age", False, True, True),
+        "pace": ("pace_budget", "pace", False, True, False),
     }

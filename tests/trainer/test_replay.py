@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from agents.engine import EmbeddedEngine, EmbeddedEngineConfig, SamplingParams
+from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from agents.engine.protocol import SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe, moe_info
 from agents.rollout import append_generation
 from agents.routing import RoutedExperts

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from agents.engine import FinishReason, Generation, SamplingParams
+from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe
 from agents.rollout import RolloutConfig, RolloutDriver
 from agents.tokenizer import tiny_tokenizer
