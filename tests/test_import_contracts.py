@@ -43,3 +43,13 @@ def test_the_checker_catches_a_lower_part_importing_a_higher_one(tmp_path: Path)
         checked, cwd=tmp_path, capture_output=True, text=True, env={"PYTHONPATH": str(tmp_path)}
     )
     assert broken.returncode == 1 and "envs.jsonl -> trainer.pool" in broken.stdout
+
+
+def test_tests_import_helpers_from_helper_modules_never_from_other_test_modules() -> None:
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in (ROOT / "tests").rglob("*.py")
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if line.lstrip().startswith("from tests.") and ".test_" in line.split(" import ")[0]
+    ]
+    assert offenders == []

@@ -5,7 +5,6 @@ each template renders them; `<think>` and structured tool calls go to the templa
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 from agents.engine.protocol import FinishReason, Generation, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe, save_model
 from agents.rollout import RolloutConfig, RolloutDriver
-from agents.tokenizer import TokenizerFamily, default_corpus, tiny_tokenizer, train_tokenizer
+from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Origin, Status, Trajectory
 from envs import Task
 from envs.chat_template import CHATML_TOOLS_TEMPLATE, assistant_message
@@ -24,51 +23,11 @@ from envs.code_math import CodeMathEnv
 from envs.parsing import Parsed, ToolCall
 from pacerl.assembly import load_policy
 from pacerl.config import config_from_dict
+from tests.agents.helpers import FAMILIES, family_tokenizer
 from tests.scripted import ScriptedEngineBase
 
-TEMPLATES = Path(__file__).parents[1] / "fixtures" / "templates"
 TASK = Task("t1", "What is 123 * 45?", ("5535",))
 QWEN_CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(123 * 45)"}}\n</tool_call>'
-QWEN_TOOLS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-
-FAMILIES = {
-    "qwen2.5": TokenizerFamily(
-        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        added_tokens=QWEN_TOOLS,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=(TEMPLATES / "qwen2.5-instruct.jinja").read_text(),
-    ),
-    "qwen3": TokenizerFamily(
-        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        added_tokens=(*QWEN_TOOLS, "<think>", "</think>"),
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=(TEMPLATES / "qwen3.jinja").read_text(),
-    ),
-    "llama3.1": TokenizerFamily(
-        special_tokens=(
-            "<|begin_of_text|>",
-            "<|end_of_text|>",
-            "<|start_header_id|>",
-            "<|end_header_id|>",
-            "<|eot_id|>",
-            "<|eom_id|>",
-            "<|python_tag|>",
-            "<|finetune_right_pad_id|>",
-        ),
-        added_tokens=(),
-        eos_token="<|eot_id|>",
-        pad_token="<|finetune_right_pad_id|>",
-        bos_token="<|begin_of_text|>",
-        chat_template=(TEMPLATES / "llama3.1-instruct.jinja").read_text(),
-    ),
-}
-
-
-@functools.cache
-def family_tokenizer(name: str) -> Any:
-    return train_tokenizer(default_corpus(per_env=40), vocab_cap=400, family=FAMILIES[name])
 
 
 class ScriptedEngine(ScriptedEngineBase):

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen3MoeForCausalLM
 
 from agents.engine.embedded import (
     ContextOverflowError,
@@ -20,25 +19,9 @@ from agents.engine.embedded import (
     _SlotCache,
 )
 from agents.engine.protocol import FinishReason, SamplingParams
+from tests.agents.helpers import reference_greedy, tiny_moe
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
-
-
-def tiny_moe(seed: int = 0, **overrides: Any) -> Qwen3MoeForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen3MoeConfig(
-        vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128,
-        max_position_embeddings=256, eos_token_id=1, pad_token_id=0, **overrides,
-    )  # fmt: skip
-    return Qwen3MoeForCausalLM(config).eval()
-
-
-def reference_greedy(model: Qwen3MoeForCausalLM, prompt: list[int], steps: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return [int(t) for t in out[0, len(prompt) :]]
 
 
 async def generated_at_least(engine: EmbeddedEngine, count: int) -> None:

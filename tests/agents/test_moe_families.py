@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from agents.engine.protocol import SamplingParams
+from agents.engine.embedded import EmbeddedEngine
 from agents.models import (
     MOE_FAMILIES,
     UnsupportedMoEError,
@@ -29,95 +27,27 @@ from agents.models import (
     moe_info,
     save_model,
 )
-from agents.rollout import append_generation
 from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Status, Trajectory
+from tests.agents.helpers import (
+    PROMPTS,
+    SAMPLING,
+    TINY,
+    UNSUPPORTED,
+    build_tiny,
+    common_sizes,
+    plain_routes,
+    rollouts,
+)
 from trainer.batch import collate, forward_logprobs
 from trainer.learner import Learner, LearnerConfig
 
 REQUIRED = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "granitemoe")
 """The families issue 16 names; each one the installed transformers has must have an adapter."""
 
-_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
-TINY: dict[str, dict[str, Any]] = {
-    "qwen2_moe": {
-        "num_experts": 6,
-        "moe_intermediate_size": 16,
-        "shared_expert_intermediate_size": 16,
-        "norm_topk_prob": False,  # Qwen1.5/2-MoE's own setting: un-renormalised top-k weights
-    },
-    "qwen3_moe": {"num_experts": 6, "moe_intermediate_size": 16, "norm_topk_prob": True},
-    "mixtral": {"num_local_experts": 6, "router_jitter_noise": 0.0},
-    "olmoe": {"num_experts": 6},
-    "deepseek_v3": {
-        "num_hidden_layers": 3,
-        "first_k_dense_replace": 1,  # layer 0 dense, layers 1 and 2 MoE
-        "moe_layer_freq": 1,  # DeepSeek-V3's config.json has it; SGLang reads it, transformers does not
-        "n_routed_experts": 8,
-        "n_group": 4,
-        "topk_group": 2,  # group-limited top-k: 2 of 4 groups of 2 experts
-        "n_shared_experts": 1,
-        "moe_intermediate_size": 16,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 16,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 8,
-        "routed_scaling_factor": 2.5,
-    },
-    "gpt_oss": {"num_local_experts": 6, "sliding_window": 64, "rope_parameters": _ROPE},
-    "granitemoe": {"num_local_experts": 6},
-}
-"""Per family, what its tiny config adds to `common_sizes`: experts and family quirks."""
 
 MOE_LAYERS = {"deepseek_v3": (1, 2)}
 """Decoder layers with a router where not (0, 1)."""
-
-SAMPLING = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
-PROMPTS = [[5, 17, 40, 41, 9], [7, 8, 100, 101, 102, 103, 12]]
-
-
-def common_sizes(vocab_size: int) -> dict[str, Any]:
-    return {
-        "vocab_size": vocab_size,
-        "hidden_size": 32,
-        "intermediate_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "num_experts_per_tok": 2,
-        "max_position_embeddings": 256,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": None,
-        "tie_word_embeddings": False,
-        "output_router_logits": False,
-    }
-
-
-def build_tiny(
-    family: str, seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None, **changes: Any
-) -> PreTrainedModel:
-    """A random tiny model of `family` in float32, its routers sharpened so no top-k sits on a near-tie
-    (a tie could flip between a prefill and a cached decode in the last bit). Sized to `tiny_tokenizer()`,
-    or to `tokenizer` with its pad and eos ids (a family's own: tests/pacerl/test_model_families.py);
-    `changes` override config values (e.g. `max_position_embeddings`)."""
-    sizes = common_sizes(len(tokenizer if tokenizer is not None else tiny_tokenizer()))
-    if tokenizer is not None:
-        sizes |= {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-    config = AutoConfig.for_model(family, **{**sizes, **TINY.get(family, {}), **changes})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    assert isinstance(model, PreTrainedModel)
-    for name, parameter in model.named_parameters():
-        if name.endswith(("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.router.weight")):
-            with torch.no_grad():
-                parameter.mul_(25.0)
-    model.train(False)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -133,51 +63,6 @@ def load(checkpoints: dict[str, Path], family: str) -> PreTrainedModel:
     model, _ = load_model(checkpoints[family])
     assert model.config.model_type == family
     return model
-
-
-async def rollouts(engine_model: torch.nn.Module) -> list[Trajectory]:
-    """One recorded generation per prompt, routes of every input asked for; rewards 1 and 0."""
-    info = moe_info(engine_model)
-    engine = EmbeddedEngine(engine_model, config=EmbeddedEngineConfig(seed=1))
-    trajectories = []
-    for index, prompt in enumerate(PROMPTS):
-        trajectory = Trajectory.start(f"t{index}", "g", "task", prompt)
-        started = time.time()
-        out = await engine.generate(prompt, SAMPLING, return_routed_experts=True, routed_experts_start_len=0)
-        append_generation(
-            trajectory, out, num_experts=info.num_experts, started_at=started, ended_at=time.time()
-        )
-        trajectory.finish(
-            Status.COMPLETED,
-            reason="",
-            reward=float(index % 2),
-            completed_version=0,
-            completed_at=time.time(),
-        )
-        trajectories.append(trajectory)
-    await engine.aclose()
-    return trajectories
-
-
-def plain_routes(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
-    """`[positions, layers, top_k]`: the experts each router chooses in one plain forward over `tokens`."""
-    info = moe_info(model)
-    seen: dict[int, torch.Tensor] = {}
-
-    def keep(layer: int) -> Any:
-        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            seen[layer] = output[2].detach()
-
-        return hook
-
-    handles = [gate.register_forward_hook(keep(layer)) for layer, gate in enumerate(info.gates)]
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor([tokens]))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return torch.stack([seen[layer] for layer in range(info.num_layers)], dim=1).numpy()
 
 
 # -- the registry ---------------------------------------------------------------------------------------
@@ -275,9 +160,6 @@ async def test_a_learner_step_with_r3_replays_every_input(family: str, checkpoin
 
 
 # -- (d) an MoE without an adapter; a dense model ---------------------------------------------------------
-
-UNSUPPORTED = "phimoe"
-"""An MoE family of the installed transformers with no adapter (Mixtral-like, with its own router)."""
 
 
 def test_an_moe_family_without_an_adapter_is_a_clear_error_once_r3_is_on(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from envs import Task, ToolEnvConfig, load_tasks
 from envs.code_math import CodeMathEnv
 from pacerl.serve_openai import create_app
 from tests.helpers import ThreadServer, free_port
-from tests.pacerl.test_serve_openai import TextEngine
+from tests.pacerl.helpers import TextEngine
 
 TASK = Task("t", "What is 6 * 7?", ("42",))
 CONFIG = EvalConfig(samples=1, temperature=0.0, max_new_tokens=64, max_total_tokens=4096)

@@ -13,50 +13,17 @@ import pytest
 import torch
 
 from agents.engine.embedded import EmbeddedEngine
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
+from agents.engine.protocol import Generation, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe
 from agents.rollout import ENGINE_BACKOFF_CAP_S, RolloutConfig, RolloutDriver, retry_delay
 from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Origin, Status, Trajectory
 from envs import Task, load_tasks
 from envs.code_math import CodeMathEnv
-from tests.scripted import ScriptedEngineBase
+from tests.agents.helpers import ScriptedEngine
 
 TASK = Task("t1", "What is 123 * 45?", ("5535",))
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(123 * 45)"}}</tool_call>'
-
-
-class ScriptedEngine(ScriptedEngineBase):
-    """Plays fixed assistant turns through the engine protocol (a scripted policy, not a model).
-
-    `abort_first` splits the first turn like an engine interrupted by a weight update: the first call
-    returns half the tokens with finish reason `abort`, the next call (under version + 1) the rest.
-    """
-
-    def __init__(self, tokenizer: object, turns: Sequence[str], abort_first: bool = False) -> None:
-        self.tokenizer = tokenizer
-        self.turns = list(turns)
-        self.abort_first = abort_first
-        self._version = 0
-        self.calls: list[list[int]] = []
-        self._pending: list[int] = []
-
-    async def generate(
-        self, input_ids: Sequence[int], sampling: SamplingParams, *, request_id: str | None = None,
-        return_routed_experts: bool = False, session: str | None = None,
-    ) -> Generation:  # fmt: skip
-        self.calls.append(list(input_ids))
-        if not self._pending:
-            self._pending = self.tokenizer.encode(self.turns.pop(0), add_special_tokens=False)  # type: ignore[attr-defined]
-        tokens, reason = self._pending, FinishReason.STOP
-        if self.abort_first:
-            self.abort_first = False
-            tokens, reason = tokens[: len(tokens) // 2], FinishReason.ABORT
-        self._pending = self._pending[len(tokens) :]
-        generation = Generation(tuple(tokens), (-0.5,) * len(tokens), (self._version,) * len(tokens), reason)
-        if reason is FinishReason.ABORT:
-            self._version += 1
-        return generation
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,7 @@ import base64
 import json
 import os
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -33,72 +31,12 @@ from agents.engine.sglang import (
 )
 from agents.models import layout_of
 from pacerl.cli import main
-from tests.agents.test_engine import reference_greedy, tiny_moe
-from tests.helpers import ThreadServer, free_port
-from tests.sglang_standin import create_standin_app, read_safetensors
+from tests.agents.helpers import LAYOUT, StandIn, reference_greedy, tiny_moe
+from tests.helpers import free_port
+from tests.sglang_standin import read_safetensors
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0)
 LONG = SamplingParams(max_new_tokens=240, temperature=0, ignore_eos=True)
-LAYOUT = {"num_layers": 2, "top_k": 2, "num_experts": 8}
-
-
-class StandIn:
-    """A stand-in server over its own tiny MoE, and what a test needs to look inside it."""
-
-    def __init__(self, tmp_path: Path, routed_experts: bool = True) -> None:
-        self.model = tiny_moe()
-        self.base = tmp_path / "base"
-        self.model.config.save_pretrained(self.base)
-        self.engine = EmbeddedEngine(self.model)
-        app = create_standin_app(
-            self.engine,
-            model_path=str(self.base),
-            weight_version="0",
-            enable_return_routed_experts=routed_experts,
-        )
-        self.server = ThreadServer(app)
-        self.url = self.server.url
-
-    def client(self, **options: object) -> SGLangEngine:
-        return SGLangEngine(SGLangOptions(url=self.url, **options))  # type: ignore[arg-type]
-
-    async def wait_until(self, condition: Callable[[], bool], timeout_s: float = 30) -> None:
-        """Poll `condition` (it reads the server's engine across threads) until it holds."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if condition():
-                return
-            await asyncio.sleep(0.005)
-        raise TimeoutError("the stand-in's engine did not get there")
-
-    async def wait_for_tokens(self, count: int) -> None:
-        """Until the server's first running request has `count` tokens."""
-        await self.wait_until(lambda: bool(rows := list(self.engine._rows)) and len(rows[0].tokens) >= count)
-
-    def hold_decoding_until_abort(self) -> tuple[threading.Event, list[str]]:
-        """(may_decode, aborts): from now on the engine decodes only while `may_decode` is set, and
-        every abort that reaches it is listed in `aborts` and sets `may_decode` again. A test clears
-        `may_decode` once a request has the tokens it wants: from then on that request can end only
-        by an abort, whatever the machine's speed (counting the tokens made in the meantime would
-        measure the speed)."""
-        engine = self.engine
-        may_decode, aborts = threading.Event(), []
-        may_decode.set()
-        decode, abort = engine._decode, engine.abort
-
-        def held_decode() -> None:
-            if not may_decode.wait(timeout=60):
-                may_decode.set()  # no abort came: decode on, the request ends by its length, the test fails
-            decode()
-
-        async def seen_abort(request_id: str) -> None:
-            aborts.append(request_id)
-            await abort(request_id)
-            may_decode.set()
-
-        engine._decode = held_decode  # type: ignore[method-assign]
-        engine.abort = seen_abort  # type: ignore[method-assign]
-        return may_decode, aborts
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 from agents.engine.embedded import EmbeddedEngine
 from agents.engine.protocol import SamplingParams
 from agents.engine.sglang import SGLangEngine, SGLangOptions, SGLangRequestError
-from tests.agents.test_engine import tiny_moe
+from tests.agents.helpers import tiny_moe
 from tests.helpers import ThreadServer, record_http_requests
 from tests.sglang_standin import create_standin_app
 

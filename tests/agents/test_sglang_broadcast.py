@@ -28,8 +28,7 @@ from agents.models import load_model
 from pacerl.config import config_from_dict
 from pacerl.train import train
 from tests import sglang_standin
-from tests.agents.test_engine import reference_greedy, tiny_moe
-from tests.agents.test_sglang import LAYOUT, StandIn
+from tests.agents.helpers import LAYOUT, StandIn, reference_greedy, tiny_moe
 from tests.helpers import ThreadServer, free_port, small_run
 from tests.sglang_standin import create_standin_app
 from trainer.metrics import read_metrics
@@ -200,7 +199,7 @@ import os, sys
 import torch.distributed as dist
 import uvicorn
 from agents.engine.embedded import EmbeddedEngine
-from tests.agents.test_engine import tiny_moe
+from tests.agents.helpers import tiny_moe
 from tests.sglang_standin import create_standin_app
 
 broadcast, posted = dist.broadcast, []

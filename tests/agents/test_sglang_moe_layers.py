@@ -36,7 +36,7 @@ from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Trajectory
 from envs import load_tasks
 from envs.code_math import CodeMathEnv
-from tests.agents.test_moe_families import TINY, build_tiny, common_sizes, plain_routes
+from tests.agents.helpers import TINY, build_tiny, common_sizes, plain_routes
 from tests.helpers import ThreadServer
 from tests.sglang_standin import as_sglang_builds, create_standin_app
 from trainer.batch import collate, forward_logprobs

@@ -15,7 +15,7 @@ from agents.trajectory import Status
 from envs import Task
 from envs.chat_template import TOOLS_IN_SYSTEM, render_chat, renders_tools, tools_in_messages
 from envs.code_math import CodeMathEnv
-from tests.agents.test_rollout import ScriptedEngine
+from tests.agents.helpers import ScriptedEngine
 from trainer.sft import demonstrations
 
 PLAIN_CHATML = (

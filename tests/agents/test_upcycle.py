@@ -21,7 +21,7 @@ from agents.tokenizer import tiny_tokenizer
 from agents.upcycle import DEFAULT_ROUTER_STD, UPCYCLABLE, upcycle_to_mixtral
 from pacerl.cli import _ROUTER_STD
 from pacerl.cli import main as pacerl_main
-from tests.agents.test_moe_families import PROMPTS, SAMPLING, plain_routes, rollouts
+from tests.agents.helpers import PROMPTS, SAMPLING, plain_routes, rollouts
 from trainer.batch import collate, forward_logprobs
 from trainer.learner import Learner, LearnerConfig
 from trainer.replay import routing_replay

@@ -25,13 +25,7 @@ from pacerl.lab.results import ModeResult, bounds
 from pacerl.lab.traces import workload_from_trace
 from pacerl.settings import config_to_dict
 from trainer.filters import BUILT_IN_FILTERS
-from trainer.pool import (
-    AdmissionSettings,
-    FilterConfig,
-    MaxAgeSettings,
-    PaceSettings,
-    staleness_summary,
-)
+from trainer.pool import AdmissionSettings, FilterConfig, MaxAgeSettings, PaceSettings, staleness_summary
 
 # Every response 100 tokens after a 10-token prompt, one turn: a wave of 8 rows on an engine takes
 # 100 steps of τ(8) = 0.01 + 8 · 0.001 = 0.018 s, i.e. 1.8 s, and nothing else costs time.

@@ -27,8 +27,7 @@ from envs.rewards import Reward
 from pacerl.config import RunConfig, load_config
 from pacerl.evaluate import main_eval
 from pacerl.train import train
-from tests.agents.test_chat_templates import family_tokenizer
-from tests.agents.test_moe_families import UNSUPPORTED, build_tiny, common_sizes
+from tests.agents.helpers import UNSUPPORTED, build_tiny, common_sizes, family_tokenizer
 from trainer.metrics import read_metrics
 
 TEMPLATE_OF = {"qwen2_moe": "qwen2.5", "qwen3_moe": "qwen3"}

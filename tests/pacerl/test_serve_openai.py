@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from agents.engine.embedded import EmbeddedEngine
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
+from agents.engine.protocol import Generation, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe
 from agents.tokenizer import tiny_tokenizer
 from envs.code_math import CodeMathEnv
@@ -42,27 +42,12 @@ from tests.hostile_http import (
     read_answer,
     trickle_until_closed,
 )
-from tests.scripted import ScriptedEngineBase
+from tests.pacerl.helpers import TextEngine
 
 KEY = "test-key-123"
 JSON_TYPE = {"Content-Type": "application/json"}
 PYTHON_TOOL = CodeMathEnv(tasks="codemath-val").tool_schemas()
 QUESTION = [{"role": "user", "content": "What is 6 * 7?"}]
-
-
-class TextEngine(ScriptedEngineBase):
-    """Answers each prompt with `reply(decoded prompt)` and the end-of-sequence token; keeps every prompt."""
-
-    def __init__(self, tokenizer: Any, reply: Callable[[str], str]) -> None:
-        self.tokenizer, self.reply = tokenizer, reply
-        self.prompts: list[str] = []
-
-    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, **_: Any) -> Generation:
-        prompt = self.tokenizer.decode(list(input_ids), skip_special_tokens=False)
-        self.prompts.append(prompt)
-        text = self.reply(prompt)
-        tokens = (*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id)
-        return Generation(tokens, (-0.25,) * len(tokens), (0,) * len(tokens), FinishReason.STOP)
 
 
 @pytest.fixture(scope="module")

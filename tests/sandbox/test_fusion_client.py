@@ -25,7 +25,7 @@ from sandbox import Limits, Sandbox
 from sandbox.limits import RequestMaxima
 from sandbox.server import MAXIMA, create_app
 from tests.helpers import free_port
-from tests.sandbox.test_sandbox_server import wait_for_ping
+from tests.sandbox.helpers import wait_for_ping
 
 DEFAULT_TIMEOUT_S = 10
 """The server's --timeout: what a request that names no run_timeout gets."""

@@ -53,6 +53,7 @@ from tests.hostile_http import (
     post_head,
     refused_then_closed_while_trickling,
 )
+from tests.sandbox.helpers import wait_for_ping
 
 SERVER_TIMEOUT_S = 2.0
 """The CLI server's --timeout: what a request that asks for no run_timeout gets."""
@@ -63,20 +64,6 @@ SERVER_MAX_MEMORY_MB = 512
 
 RESPONSE_KEYS = {"status", "message", "compile_result", "run_result", "executor_pod_name", "files"}
 RUN_RESULT_KEYS = {"status", "execution_time", "return_code", "stdout", "stderr"}
-
-
-def wait_for_ping(url: str, process: subprocess.Popen[bytes], log: Path, within_s: float = 30) -> None:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}: {log.read_text()}")
-        try:
-            if httpx.get(f"{url}/v1/ping", timeout=1).json() == "pong":
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"no server answered at {url} within {within_s} s")
 
 
 def start_cli_server(port: int, log: Path, *flags: str) -> subprocess.Popen[bytes]:

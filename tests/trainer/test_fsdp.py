@@ -21,8 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from agents.trajectory import RoutedExperts, Status, Trajectory
 from tests.helpers import free_port
-from tests.trainer.test_learner import small_model
-from tests.trainer.test_learner_updates import ragged_groups_of_small_model
+from tests.trainer.helpers import ragged_groups_of_small_model, small_model
 from trainer.distributed import Ranks, join
 from trainer.learner import Learner, LearnerConfig
 from trainer.policy_losses import DecoupledPPOSettings, GRPOSettings, LossConfig

@@ -9,64 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from agents.models import TinyMoEConfig, build_tiny_moe
-from agents.routing import RoutedExperts
-from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Status, Trajectory
+from tests.trainer.helpers import make_trajectory, on_policy, small_model, two_groups
 from trainer.learner import Learner, LearnerConfig
 from trainer.policy_losses import BUILT_IN_LOSSES, GSPOSettings, LossConfig
-
-
-def small_model() -> torch.nn.Module:
-    return build_tiny_moe(TinyMoEConfig(num_layers=2), tiny_tokenizer())
-
-
-def make_trajectory(
-    name: str,
-    group: str,
-    reward: float,
-    response: list[int],
-    *,
-    routes: np.ndarray | None = None,
-    logprob: float = -2.0,
-) -> Trajectory:
-    trajectory = Trajectory.start(name, group, "task", [5, 6, 7])
-    experts = None if routes is None else RoutedExperts.from_array(routes, num_experts=8)
-    trajectory.append_model(
-        response,
-        [logprob] * len(response),
-        version=0,
-        started_at=0.0,
-        ended_at=0.0,
-        finish_reason="stop",
-        routed_experts=experts,
-    )
-    trajectory.finish(Status.COMPLETED, reason="", reward=reward, completed_version=0, completed_at=0.0)
-    return trajectory
-
-
-def on_policy(learner: Learner, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-    """The same trajectories with behaviour log-probs equal to the model's own (a fresh rollout)."""
-    flat = [t for group in groups for t in group]
-    batch, logprobs, _ = learner.logprobs(flat)
-    rebuilt = []
-    for row, trajectory in enumerate(flat):
-        response = list(trajectory.segments[1].tokens)
-        values = logprobs[row][batch.loss_mask[row]].tolist()
-        copy_ = Trajectory.start(trajectory.id, trajectory.group_id, "task", trajectory.segments[0].tokens)
-        copy_.append_model(response, values, version=0, started_at=0.0, ended_at=0.0, finish_reason="stop")
-        copy_.finish(
-            Status.COMPLETED, reason="", reward=trajectory.reward, completed_version=0, completed_at=0.0
-        )
-        rebuilt.append(copy_)
-    return [rebuilt[i : i + len(groups[0])] for i in range(0, len(rebuilt), len(groups[0]))]
-
-
-def two_groups() -> list[list[Trajectory]]:
-    return [
-        [make_trajectory("a/0", "a", 1.0, [20, 21, 22]), make_trajectory("a/1", "a", 0.0, [30, 31])],
-        [make_trajectory("b/0", "b", 0.0, [40, 41, 42, 43]), make_trajectory("b/1", "b", 1.0, [50])],
-    ]
 
 
 def parameters(model: torch.nn.Module) -> list[torch.Tensor]:

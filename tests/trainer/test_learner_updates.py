@@ -5,16 +5,15 @@ proximal policy is the one before the first update, so the clip and SAT act on t
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from typing import Any
 
 import pytest
 import torch
 
-from agents.trajectory import Status, Trajectory
+from agents.trajectory import Trajectory
 from pacerl.config import ConfigError, load_config
-from tests.trainer.test_learner import on_policy, small_model, two_groups
+from tests.trainer.helpers import on_policy, ragged_groups_of_small_model, small_model, two_groups
 from trainer.batch import TokenBatch, collate, forward_logprobs
 from trainer.learner import Learner, LearnerConfig
 from trainer.losses import (
@@ -33,47 +32,6 @@ from trainer.policy_losses import (
     GSPOSettings,
     LossConfig,
 )
-
-RAGGED = [(40, 3, 25, 4), (17, 17, 9, 31), (2, 40, 3, 25), (4, 17, 9, 31), (31, 2, 2, 40), (9, 3, 17, 25)]
-"""Six groups of four responses whose lengths differ by up to 20× within and across groups."""
-
-
-@functools.cache
-def ragged_groups_of_small_model(seed: int = 0, far: float = 0.0) -> list[list[Trajectory]]:
-    """`ragged_groups` of `small_model()` (the same weights every call), built once per module."""
-    return ragged_groups(small_model(), seed=seed, far=far)
-
-
-def ragged_groups(model: torch.nn.Module, *, seed: int = 0, far: float = 0.0) -> list[list[Trajectory]]:
-    """Groups of RAGGED lengths with mixed rewards and behaviour log-probs near the model's own
-    (noise 0.3, plus `far` on every seventh token: stale outliers for SAT to gate)."""
-    generator = torch.Generator().manual_seed(seed)
-    scorer = Learner(model)
-    groups: list[list[Trajectory]] = []
-    for g, lengths in enumerate(RAGGED):
-        group = []
-        for m, length in enumerate(lengths):
-            prompt = [5 + (g + m) % 7, 6, 7]
-            response = torch.randint(20, 120, (length,), generator=generator).tolist()
-            draft = Trajectory.start(f"{g}/{m}", f"g{g}", "task", prompt)
-            draft.append_model(
-                response, [-1.0] * length, version=0, started_at=0.0, ended_at=0.0, finish_reason="stop"
-            )
-            batch, own, _ = scorer.logprobs([draft])
-            noise = 0.3 * torch.randn(length, generator=generator)
-            noise[::7] += far
-            behaviour = (own[0][batch.loss_mask[0]] + noise).clamp_max(-1e-3).tolist()
-            trajectory = Trajectory.start(f"{g}/{m}", f"g{g}", "task", prompt)
-            trajectory.append_model(
-                response, behaviour, version=0, started_at=0.0, ended_at=0.0, finish_reason="stop"
-            )
-            reward = float((g + m) % 3 == 0) if m < 3 else float(g % 2)
-            trajectory.finish(
-                Status.COMPLETED, reason="", reward=reward, completed_version=0, completed_at=0.0
-            )
-            group.append(trajectory)
-        groups.append(group)
-    return groups
 
 
 def step_gradients(

@@ -26,13 +26,7 @@ from trainer.checkpoint import latest_checkpoint
 from trainer.filters import BUILT_IN_FILTERS
 from trainer.learner import StepResult
 from trainer.loop import LoopConfig, Run, RunFailedError, train_async, train_sync
-from trainer.pool import (
-    AdmissionSettings,
-    FilterConfig,
-    MaxAgeSettings,
-    PaceSettings,
-    TrajectoryPool,
-)
+from trainer.pool import AdmissionSettings, FilterConfig, MaxAgeSettings, PaceSettings, TrajectoryPool
 
 HANG_S = 60.0
 """Bound on a run of a few steps that finishes in milliseconds: reaching it means the loop hung."""

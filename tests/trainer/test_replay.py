@@ -298,7 +298,7 @@ def test_replayed_experts_get_the_live_logits_gate_weights_by_hand(family: str) 
     third has no recorded row and keeps the live choice. The replayed weights are the family's router
     arithmetic on the live logits over the recorded experts (docs/algorithms.md §4), not the weights of
     the experts the live router chose, and their gradient reaches the router's weight."""
-    from tests.agents.test_moe_families import build_tiny
+    from tests.agents.helpers import build_tiny
 
     model = build_tiny(family)
     info = moe_info(model)
