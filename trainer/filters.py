@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from trainer.plugins import imported_attribute
+from trainer.plugins import Registry
 from trainer.pool import (
     AdmissionSettings,
     DriftScorer,
@@ -147,7 +147,7 @@ def _admission_closed(
     )
 
 
-FILTERS: dict[str, StalenessFilter] = {
+_BUILT_IN: dict[str, StalenessFilter] = {
     "none": StalenessFilter(_positions(TrajectoryPool._keep_all), reason=""),
     "max_age": StalenessFilter(
         _positions(TrajectoryPool._max_age),
@@ -174,36 +174,21 @@ FILTERS: dict[str, StalenessFilter] = {
         check=_pace_check,
     ),
 }
+
+FILTERS: Registry[StalenessFilter] = Registry(
+    "filter", lambda found: found if isinstance(found, StalenessFilter) else None, "a StalenessFilter"
+)
+FILTERS.update(_BUILT_IN)
 """`filter.name` → the filter: the built-ins, and any a module adds with `register_filter`."""
 
 
 def register_filter(name: str, chosen: StalenessFilter) -> None:
     """Make `chosen` usable as `filter.name=<name>` (a module that registers is named `module:name`, so
     that it is imported first)."""
-    if not name or ":" in name:
-        raise ValueError(f"a filter is registered under a non-empty name without ':', got {name!r}")
-    if not isinstance(chosen, StalenessFilter):
-        raise ValueError(f"register_filter({name!r}, ...) takes a StalenessFilter, got {chosen!r}")
-    if name in FILTERS and FILTERS[name] is not chosen:
-        raise ValueError(f"a different filter is registered as {name!r} already")
-    FILTERS[name] = chosen
+    FILTERS.register(name, chosen)
 
 
 def staleness_filter(name: str) -> StalenessFilter:
     """The filter named `name`: a registered one, or `module:attribute` (the module imported, the
     attribute a `StalenessFilter` or a name the module registered). A ValueError says what is wrong."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a filter name is a non-empty string, got {name!r}")
-    module, sep, attribute = name.rpartition(":")
-    if not sep:
-        if name in FILTERS:
-            return FILTERS[name]
-        raise ValueError(
-            f"name must be one of {', '.join(FILTERS)} or module:name (a user's filter), got {name!r}"
-        )
-    found = imported_attribute(f"filter {name!r}", module, attribute)
-    if isinstance(found, StalenessFilter):
-        return found
-    if found is None and attribute in FILTERS:
-        return FILTERS[attribute]
-    raise ValueError(f"filter {name!r}: {module}.{attribute} is not a StalenessFilter (got {found!r})")
+    return FILTERS.lookup(name)

@@ -45,7 +45,7 @@ from trainer.losses import (
     grpo_loss,
     gspo_loss,
 )
-from trainer.plugins import imported_attribute
+from trainer.plugins import Registry, chosen_settings
 
 Anchor = Literal["behaviour", "recompute"]
 Aggregation = Literal["sequence", "token"]
@@ -260,7 +260,7 @@ def _gspo_loss(token_level: bool) -> PolicyLoss:
     )
 
 
-LOSSES: dict[str, PolicyLoss] = {
+_BUILT_IN: dict[str, PolicyLoss] = {
     "gspo": _gspo_loss(token_level=False),
     "gspo_token": _gspo_loss(token_level=True),
     "grpo": PolicyLoss(
@@ -283,6 +283,16 @@ LOSSES: dict[str, PolicyLoss] = {
     ),
     "gmc": PolicyLoss(_gmc, GMCSettings, entries="group", section="gmc"),
 }
+
+
+def _as_loss(found: object) -> PolicyLoss | None:
+    if isinstance(found, PolicyLoss):
+        return found
+    return PolicyLoss(found) if callable(found) and not isinstance(found, type) else None
+
+
+LOSSES: Registry[PolicyLoss] = Registry("loss", _as_loss, "a PolicyLoss or a loss function")
+LOSSES.update(_BUILT_IN)
 """`learner.loss.name` → the loss: the built-ins, and any a module adds with `register_loss`."""
 BUILT_IN_LOSSES: tuple[str, ...] = tuple(LOSSES)
 """The losses pacerl ships."""
@@ -291,39 +301,14 @@ BUILT_IN_LOSSES: tuple[str, ...] = tuple(LOSSES)
 def register_loss(name: str, loss: PolicyLoss) -> None:
     """Make `loss` trainable as `learner.loss.name=<name>` (a module that registers is named
     `module:name`, so that it is imported first)."""
-    if not name or ":" in name:
-        raise ValueError(f"a loss is registered under a non-empty name without ':', got {name!r}")
-    if not isinstance(loss, PolicyLoss):
-        raise ValueError(f"register_loss({name!r}, ...) takes a PolicyLoss, got {loss!r}")
-    if name in LOSSES and LOSSES[name] is not loss:
-        raise ValueError(f"a different loss is registered as {name!r} already")
-    LOSSES[name] = loss
+    LOSSES.register(name, loss)
 
 
 def policy_loss(name: str) -> PolicyLoss:
     """The loss named `name`: a registered one, or `module:attribute` (the module imported, the
-    attribute a `PolicyLoss`, a plain loss function, or a name the module registered). A ValueError
-    says what is wrong."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a loss name is a non-empty string, got {name!r}")
-    module, sep, attribute = name.rpartition(":")
-    if not sep:
-        if name in LOSSES:
-            return LOSSES[name]
-        raise ValueError(
-            f"loss name must be one of {', '.join(LOSSES)} or module:name (a user's loss), got {name!r}"
-        )
-    found = imported_attribute(f"loss {name!r}", module, attribute)
-    if found is None and attribute in LOSSES:
-        return LOSSES[attribute]
-    if isinstance(found, PolicyLoss):
-        return found
-    if callable(found) and not isinstance(found, type):
-        return PolicyLoss(found)
-    raise ValueError(
-        f"loss {name!r}: {module}.{attribute} is neither a PolicyLoss nor a loss function, nor a "
-        f"registered loss name (got {found!r})"
-    )
+    attribute a `PolicyLoss`, a plain loss function taken with the default traits, or a name the module
+    registered). A ValueError says what is wrong."""
+    return LOSSES.lookup(name)
 
 
 @dataclass(frozen=True)
@@ -372,10 +357,6 @@ class LossConfig:
     """A user's loss's own knobs, given to its `PolicyLoss.settings` class (a built-in loss takes none)."""
 
     def __post_init__(self) -> None:
-        loss = policy_loss(self.name)
-        if self.options and (loss.section or loss.settings is None):
-            where = f"learner.loss.{loss.section}" if loss.section else "no options"
-            raise ValueError(f"loss {self.name!r} takes {where}, not learner.loss.options")
         self.settings  # noqa: B018 (a user's options are checked by building its settings)
         ClipConfig(self.eps_low, self.eps_high)
         SATConfig(self.sat_quantile, self.sat_kernel)
@@ -390,15 +371,7 @@ class LossConfig:
     @property
     def settings(self) -> Any:
         """The chosen loss's own knobs: its section, its `options` built into its settings class, or None."""
-        loss = self.loss
-        if loss.section:
-            return getattr(self, loss.section)
-        if loss.settings is None:
-            return None
-        try:
-            return loss.settings(**self.options)
-        except TypeError as error:
-            raise ValueError(f"learner.loss.options do not fit {loss.settings.__name__}: {error}") from None
+        return chosen_settings(self, self.name, self.loss, self.options, "learner.loss.options")
 
     @property
     def mean_unit(self) -> Aggregation:

@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from agents.trajectory import Status, Trajectory
+from trainer.plugins import chosen_settings
 
 if TYPE_CHECKING:
     from trainer.filters import StalenessFilter
@@ -164,10 +165,6 @@ class FilterConfig:
     """A user's filter's own knobs, given to its `StalenessFilter.settings` class (a built-in takes none)."""
 
     def __post_init__(self) -> None:
-        chosen = self.filter
-        if self.options and (chosen.section or chosen.settings is None):
-            where = f"filter.{chosen.section}" if chosen.section else "no options"
-            raise ValueError(f"filter {self.name!r} takes {where}, not filter.options")
         self.settings  # noqa: B018 (a user's options are checked by building its settings)
         _check_int("max_concurrent_groups", self.max_concurrent_groups, 1)
 
@@ -183,15 +180,7 @@ class FilterConfig:
     @property
     def settings(self) -> Any:
         """The chosen filter's own knobs: its section, or its `options` built into its settings class."""
-        chosen = self.filter
-        if chosen.section:
-            return getattr(self, chosen.section)
-        if chosen.settings is None:
-            return None
-        try:
-            return chosen.settings(**self.options)
-        except TypeError as error:
-            raise ValueError(f"filter.options do not fit {chosen.settings.__name__}: {error}") from None
+        return chosen_settings(self, self.name, self.filter, self.options, "filter.options")
 
 
 # -- pure functions ------------------------------------------------------------------------------------

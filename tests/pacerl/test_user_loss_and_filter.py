@@ -116,11 +116,11 @@ def test_a_user_name_that_does_not_resolve_is_one_clear_line(user_module: Path) 
     try:
         cases = {
             "learner.loss.name=no_such_module:X": "cannot import module 'no_such_module'",
-            "learner.loss.name=user_plugins:MISSING": "neither a PolicyLoss nor a loss function",
+            "learner.loss.name=user_plugins:MISSING": "is not a PolicyLoss or a loss function",
             "learner.loss.name=ppo": "loss name must be one of gspo, gspo_token, grpo",
             "filter.name=user_plugins:SCALED_GSPO": "is not a StalenessFilter",
             "filter.name=fifo": "name must be one of none, max_age, admission, pace or module:name",
-            'learner.loss.options={"scale": 2}': "loss 'gspo' takes learner.loss.gspo",
+            'learner.loss.options={"scale": 2}': "'gspo' takes learner.loss.gspo, not learner.loss.options",
         }
         for override, message in cases.items():
             with pytest.raises(ConfigError, match=message):
@@ -131,3 +131,28 @@ def test_a_user_name_that_does_not_resolve_is_one_clear_line(user_module: Path) 
         assert chosen.filter.settings.keep == 3 and chosen.filter.filter.reason == "newest_first"
     finally:
         sys.path.remove(str(user_module))
+
+
+def test_a_module_registers_under_a_name_of_its_own() -> None:
+    import dataclasses
+
+    from trainer.filters import FILTERS, register_filter
+    from trainer.policy_losses import LOSSES, PolicyLoss, register_loss
+
+    loss = PolicyLoss(LOSSES["gspo"].compute)
+    register_loss("my_gspo_copy", loss)
+    register_loss("my_gspo_copy", loss)  # the same entry again: a module imported twice
+    try:
+        assert load_config(None, ["learner.loss.name=my_gspo_copy"]).learner.loss.loss is loss
+        with pytest.raises(ValueError, match="a different loss is registered as 'my_gspo_copy'"):
+            register_loss("my_gspo_copy", PolicyLoss(LOSSES["grpo"].compute))
+        with pytest.raises(ValueError, match="without ':'"):
+            register_loss("mine:x", loss)
+        with pytest.raises(ValueError, match="must be a StalenessFilter"):
+            register_filter("not_a_filter", loss)  # type: ignore[arg-type]
+        newest = dataclasses.replace(FILTERS["none"], reason="mine")
+        register_filter("my_fifo", newest)
+        assert load_config(None, ["filter.name=my_fifo"]).filter.filter is newest
+    finally:
+        LOSSES.pop("my_gspo_copy", None)
+        FILTERS.pop("my_fifo", None)
