@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch import nn
@@ -106,6 +106,11 @@ class LearnerConfig:
     micro_batch_size: int = 64
     """Sequences per forward/backward (whole groups; gradients accumulate over micro-batches, exactly:
     the gradient does not depend on this size)."""
+    gradient_checkpointing: bool = False
+    """Keep only each decoder layer's inputs through the forward and recompute the rest in the backward
+    (transformers' gradient checkpointing, non-reentrant): activation memory of one layer instead of
+    all, for about one more forward per micro-batch; the update is the same. Dense models only (an
+    MoE's recomputed layers would route without R3's recorded experts)."""
     minibatches: int = 1
     """Optimizer updates per epoch: the batch's groups, shuffled, split into this many disjoint
     mini-batches of whole groups (fewer when the batch has fewer groups)."""
@@ -249,6 +254,8 @@ class Learner:
             self._layers, self._top_k = info.num_layers, info.top_k
         except ValueError:  # a dense model: nothing to replay
             self._layers, self._top_k = 0, 0
+        if self.config.gradient_checkpointing:
+            _enable_checkpointing(model, moe=self._layers > 0)
         # The reference is copied before sharding and sharded like the model (its own FSDP units).
         self.reference = _frozen_copy(model) if self.config.loss.kl_coef > 0 else None
         if sharded:
@@ -743,6 +750,19 @@ def _one_process_quietly() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+def _enable_checkpointing(model: nn.Module, *, moe: bool) -> None:
+    """`learner.gradient_checkpointing` on a dense transformers model; ValueError where it cannot be."""
+    name = type(model).__name__
+    if moe:
+        # R3's replay (and the route capture beside it) are hooks that live through the forward only: the
+        # backward's recomputation would route afresh and differ from the forward it replaces.
+        raise ValueError(f"learner.gradient_checkpointing works on dense models, not on the MoE {name}")
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"learner.gradient_checkpointing: {name} does not support it")
+    enable = cast(Any, model).activation_checkpointing_enable  # transformers' PreTrainedModel
+    enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _frozen_copy(model: nn.Module) -> nn.Module:

@@ -322,3 +322,38 @@ FAMILIES = {
 @functools.cache
 def family_tokenizer(name: str) -> Any:
     return train_tokenizer(default_corpus(per_env=40), vocab_cap=400, family=FAMILIES[name])
+
+
+def tiny_dense(
+    family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **changes: Any
+) -> PreTrainedModel:
+    """A random dense model of `family` in `dtype`, sized to `tiny_tokenizer()`, tied embeddings as in
+    SmolLM2, RMSNorm weights, epsilon and rotary base moved off their defaults so a lost setting shows."""
+    tokenizer = tiny_tokenizer()
+    sizes: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-3,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": None,
+        "tie_word_embeddings": True,
+    }
+    config = AutoConfig.for_model(family, **{**sizes, **changes})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    parameter.uniform_(0.5, 1.5)
+    assert isinstance(model, PreTrainedModel)
+    model.train(False)
+    return model

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, MixtralForCausalLM, PreTrainedModel
+from transformers import MixtralForCausalLM
 
 from agents.engine.embedded import EmbeddedEngine
 from agents.models import load_model, moe_info, save_model
@@ -21,7 +21,7 @@ from agents.tokenizer import tiny_tokenizer
 from agents.upcycle import DEFAULT_ROUTER_STD, UPCYCLABLE, upcycle_to_mixtral
 from pacerl.cli import _ROUTER_STD
 from pacerl.cli import main as pacerl_main
-from tests.agents.helpers import PROMPTS, SAMPLING, plain_routes, rollouts
+from tests.agents.helpers import PROMPTS, SAMPLING, plain_routes, rollouts, tiny_dense
 from trainer.batch import collate, forward_logprobs
 from trainer.learner import Learner, LearnerConfig
 from trainer.replay import routing_replay
@@ -30,41 +30,6 @@ TOKENS = torch.tensor(
     [[5, 17, 40, 41, 9, 7, 8, 100, 101, 102, 103, 12], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
 )
 """Two rows of 12 input ids of the tiny tokenizer's vocabulary."""
-
-
-def tiny_dense(
-    family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **changes: Any
-) -> PreTrainedModel:
-    """A random dense model of `family` in `dtype`, sized to `tiny_tokenizer()`, tied embeddings as in
-    SmolLM2, RMSNorm weights, epsilon and rotary base moved off their defaults so a lost setting shows."""
-    tokenizer = tiny_tokenizer()
-    sizes: dict[str, Any] = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-3,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": None,
-        "tie_word_embeddings": True,
-    }
-    config = AutoConfig.for_model(family, **{**sizes, **changes})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    parameter.uniform_(0.5, 1.5)
-    assert isinstance(model, PreTrainedModel)
-    model.train(False)
-    return model
 
 
 def logits(model: torch.nn.Module, tokens: torch.Tensor = TOKENS) -> torch.Tensor:

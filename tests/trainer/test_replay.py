@@ -20,6 +20,8 @@ from agents.rollout import append_generation
 from agents.routing import RoutedExperts
 from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Origin, Status, Trajectory
+from tests.agents.helpers import tiny_dense
+from tests.trainer.helpers import ragged_groups
 from trainer.batch import collate, forward_logprobs
 from trainer.learner import Learner, LearnerConfig
 from trainer.replay import check_routes, routing_replay
@@ -350,3 +352,28 @@ def test_replaying_the_live_choice_gives_the_live_weights_bit_for_bit_in_bfloat1
     for (_, live_scores, live_chosen), (_, scores, chosen) in zip(live, replayed, strict=True):
         assert scores.dtype == live_scores.dtype == torch.bfloat16
         assert torch.equal(scores, live_scores) and torch.equal(chosen, live_chosen)
+
+
+def test_gradient_checkpointing_changes_memory_not_the_update() -> None:
+    """A step with `learner.gradient_checkpointing` (each layer recomputed in the backward) updates a
+    dense model's weights as the plain step does, and reports the same figures; an MoE is refused (the
+    recomputation would route without R3's recorded experts)."""
+    model = tiny_dense()
+    groups = ragged_groups(model)[:3]
+    outcomes = []
+    for checkpointing in (False, True):
+        trained = copy.deepcopy(model)
+        config = LearnerConfig(lr=1e-2, gradient_checkpointing=checkpointing, micro_batch_size=3)
+        result = Learner(trained, config).train_step(groups)
+        assert result.updated and trained.is_activation_checkpointing == checkpointing
+        outcomes.append((result.metrics, [p.detach().clone() for p in trained.parameters()]))
+    (plain, plain_weights), (recomputed, recomputed_weights) = outcomes
+    assert any(not torch.equal(a, b) for a, b in zip(plain_weights, model.parameters(), strict=True))
+    for a, b in zip(plain_weights, recomputed_weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for key in ("loss", "grad_norm", "clip_fraction", "entropy", "mismatch"):
+        assert recomputed[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
+    with pytest.raises(ValueError, match="gradient_checkpointing works on dense models, not on the MoE"):
+        Learner(model_of(), LearnerConfig(gradient_checkpointing=True))
+    with pytest.raises(ValueError, match="gradient_checkpointing: Sequential does not support it"):
+        Learner(torch.nn.Sequential(torch.nn.Linear(2, 2)), LearnerConfig(gradient_checkpointing=True))
