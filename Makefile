@@ -60,6 +60,7 @@ bench-real: $(STAMP)
 		--repeats 3 --threads 2 --out benchmarks/results/engine_smollm2.json
 	$(BIN)/python benchmarks/trainer.py --model smollm2-135m --batch 8 --repeats 5 \
 		--out benchmarks/results/trainer_smollm2.json
+	$(BIN)/python benchmarks/host_memory.py --out benchmarks/results/host_memory.json
 	$(BIN)/python benchmarks/summary.py --readme README.md
 
 # Mutation testing of the losses, the advantages and the pool's budget, ranking and draw order with

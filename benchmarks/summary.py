@@ -126,6 +126,13 @@ MEASURES = (
         1.0,
         True,
         "x",
+    ),    Measure(
+        "SmolLM2-135M: CPU time of a learner step with the heap handed back after it vs without",
+        "host_memory.json",
+        lambda r: float(next(m["cpu_vs_glibc"] for m in r["modes"] if m["mode"] == "trim")),
+        1.10,
+        False,
+        "x",
     ),
 )
 """Issue 19's targets, in its order, then issue 28's on a real model (`make bench-real`)."""

@@ -19,7 +19,6 @@ from pacerl.serve_openai import add_serve_openai_parser
 from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
 from sandbox.http_guard import add_guard_flags, guard_from_flags
 from sandbox.limits import RequestMaxima
-from trainer.host_memory import bound_heap_growth
 
 _RETRIEVER_FLAGS = {
     "max_queries": ("--max-queries", "queries in one request", 4096),
@@ -305,7 +304,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pacerl` console script."""
     args = build_parser().parse_args(argv)
-    bound_heap_growth()  # before any model loads: a long run's heap otherwise only grows
     try:
         handler: Callable[[argparse.Namespace], int] = args.handler
         code = handler(args)

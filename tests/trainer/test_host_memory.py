@@ -7,15 +7,14 @@ import ctypes
 import subprocess
 import sys
 
-from trainer.host_memory import _glibc, bound_heap_growth, free_heap_gb, return_free_heap, rss_gb
+from trainer.host_memory import _glibc, free_heap_gb, return_free_heap, rss_gb
 
-BLOCK = 64 * 1024  # under the mmap threshold: served from the heap
+BLOCK = 64 * 1024  # under glibc's mmap threshold: served from the heap
 BLOCKS = 4096  # 256 MiB
 
 
-def test_glibc_takes_the_fixed_mmap_threshold() -> None:
+def test_this_machine_has_glibc() -> None:
     assert _glibc() is not None, "these machines run Debian's glibc"
-    assert bound_heap_growth()
 
 
 def test_freed_heap_blocks_are_counted_and_returned() -> None:
