@@ -126,7 +126,8 @@ MEASURES = (
         1.0,
         True,
         "x",
-    ),    Measure(
+    ),
+    Measure(
         "SmolLM2-135M: CPU time of a learner step with the heap handed back after it vs without",
         "host_memory.json",
         lambda r: float(next(m["cpu_vs_glibc"] for m in r["modes"] if m["mode"] == "trim")),
