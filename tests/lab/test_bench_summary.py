@@ -31,13 +31,15 @@ def test_the_ratios_are_computed_from_the_results_and_judged_against_their_targe
     write(tmp_path, "trainer.json", {"learner_vs_plain": 0.99})
     write(tmp_path, "engine_smollm2.json", {"engine_vs_hf": 2.9, "model": "smollm2-135m"})
     write(tmp_path, "trainer_smollm2.json", {"learner_vs_plain": 1.04, "model": "smollm2-135m"})
+    modes = [{"mode": "glibc", "cpu_vs_glibc": 1.0}, {"mode": "trim", "cpu_vs_glibc": 1.12}]
+    write(tmp_path, "host_memory.json", {"modes": modes})
     rows = {row["measure"].split(" ")[0] + str(i): row for i, row in enumerate(summarise(tmp_path))}
     values = [row["value"] for row in rows.values()]
-    assert values == [3.2, 0.6, 0.9, 0.5, 31.0, 0.99, None, 2.9, 1.04]
+    assert values == [3.2, 0.6, 0.9, 0.5, 31.0, 0.99, None, 2.9, 1.04, 1.12]
     met = [row["met"] for row in rows.values()]
-    assert met == [True, False, True, True, False, False, None, False, True]
-    sources = [row["source"] for row in rows.values()][-2:]
-    assert sources == ["engine_smollm2.json", "trainer_smollm2.json"]
+    assert met == [True, False, True, True, False, False, None, False, True, False]
+    sources = [row["source"] for row in rows.values()][-3:]
+    assert sources == ["engine_smollm2.json", "trainer_smollm2.json", "host_memory.json"]
     table = markdown(list(rows.values()))
     assert "| 3.20× | ≥ 3.00× | yes |" in table and "| 31.0 ms | ≤ 30.0 ms | no |" in table
     assert "| not measured | ≤ 20.0 s | – |" in table

@@ -84,7 +84,9 @@ def test_the_default_config_on_ray_raises_the_reward_like_local(
     assert summary["step"] == 32 and len(curve) == 32
     first, last = sum(curve[:5]) / 5, sum(curve[-8:]) / 8
     assert last > first + 0.15, curve
-    assert summary["version"] >= 24 and summary["faults"] == {}
+    # The trainer actor applied every update the loop counted: a step without signal (a batch of groups
+    # whose members all scored alike, more of them the better the policy gets) leaves the version alone.
+    assert summary["version"] == summary["updated_steps"] >= 16 and summary["faults"] == {}
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert all(row["r3_coverage"] == 1.0 for row in rows if row.get("updated"))  # the replicas sent routes
     assert max(row.get("staleness/mean_staleness", 0) for row in rows) > 0  # it really ran off-policy
