@@ -246,7 +246,9 @@ class Learner:
         """Updates applied so far: the policy version of the weights now in `model`."""
         self.counts: Counter[str] = Counter()
         """Skips and leave-outs by reason (see the module docstring)."""
+        # Resolved once: a loss named module:NAME would otherwise be looked up on every micro-batch.
         self._policy_loss = self.config.loss.loss
+        self._loss_settings = self.config.loss.settings
         if self.config.routing_replay:  # an MoE R3 cannot replay fails here, not after the first rollouts
             check_replay_support(model)
         try:
@@ -389,7 +391,7 @@ class Learner:
 
     def _uses_proximal(self) -> bool:
         """Whether the loss reads the log-probs of the weights before the step's first update."""
-        return self.config.loss.uses_proximal
+        return self._policy_loss.uses_proximal(self._loss_settings)
 
     @torch.no_grad()
     def _proximal(self, prepared: _Prepared) -> list[torch.Tensor]:
@@ -425,10 +427,9 @@ class Learner:
         totals: _Totals,
     ) -> tuple[str, float]:
         """One optimizer update on `members`; returns (skip reason or "", the gradient norm)."""
-        cfg = self.config.loss
         chunks = self._micro_batches(prepared, members)
         trajectories = [prepared.trajectories[i] for i in members]
-        unit = cfg.mean_unit
+        unit = self._policy_loss.mean_unit(self._loss_settings)
         tokens = sum(t.num_model_tokens for t in trajectories)
         denominator = float(tokens if unit == "token" else len(trajectories))
         # This rank's micro-batches (all of them in one process), collated once: SAT's quantile pass and
@@ -467,7 +468,7 @@ class Learner:
         """SAT's quantile over the whole mini-batch (`count` micro-batches, this rank's `mine`, every
         rank's values) at the current weights; None when one micro-batch holds it (the loss then takes its
         own) or SAT is off."""
-        measure, sat = self.config.loss.loss.sat, sat_config(self.config.loss)
+        measure, sat = self._policy_loss.sat, sat_config(self.config.loss)
         if sat is None or measure is None or count < 2:
             return None
         values: list[torch.Tensor] = []
@@ -546,7 +547,7 @@ class Learner:
                 # ended the micro-batch above (`nonfinite_logprobs`), as entropy_from_logits would.
                 entropy = entropy_from_logits(logits, mask, self.config.temperature)
             # The shares' own entries: tokens (grpo, decoupled_ppo), sequences (gspo), groups (gmc).
-            entries = self.config.loss.loss.entries
+            entries = self._policy_loss.entries
             units = {"token": chunk_tokens, "group": len(set(groups.tolist())), "sequence": len(chunk)}
             totals.add(
                 _PER_TOKEN,
