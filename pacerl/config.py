@@ -18,7 +18,7 @@ from agents.engine.embedded import EmbeddedEngineConfig
 from agents.engine.openai_chat import OpenAIChatOptions
 from agents.engine.protocol import SamplingParams
 from agents.engine.sglang import SGLangOptions
-from agents.evaluation import EvalConfig
+from agents.evaluation.config import EvalConfig
 from agents.models import TinyMoEConfig
 from agents.rollout import RolloutConfig
 from envs.registry import env_class

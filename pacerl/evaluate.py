@@ -14,28 +14,39 @@ the held-out tasks (`evaluation.tasks`, default the env's validation set) and th
 shorthands for those keys; a `key=value` given after them wins. Unlike a training run's in-loop check
 (greedy, one sample), `evaluation.settings` default here to K = 4 samples at T = 0.7.
 
-The library (torch, transformers, the envs) is imported only when an evaluation runs: `pacerl` builds
-this parser for every subcommand, and those imports take seconds.
+The command's parser is in `pacerl.cli`, which imports this module only when `pacerl eval` runs (torch
+and transformers take seconds to import, and `pacerl --help` builds every parser).
 """
 
 from __future__ import annotations
 
-import argparse
+import asyncio
 import contextlib
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
+from agents.engine.embedded import EmbeddedEngine
+from agents.engine.openai_chat import OpenAIChatClient
+from agents.engine.protocol import Engine
+from agents.engine.sglang import SGLangEngine
+from agents.evaluation.benchmarks import Benchmark, load_benchmark, suite_benchmarks
+from agents.evaluation.config import EvalConfig
+from agents.evaluation.play import evaluate, evaluate_served
+from agents.evaluation.report import EvalReport, transcript
+from agents.evaluation.suites import SuiteResult, benchmark_eval_config, run_suite
+from agents.gguf import SHIPPED
+from agents.models import load_model
+from agents.tokenizer import with_chat_template
+from envs import Task, ToolEnv
+from envs.registry import env_class
+from pacerl.assembly import env_factory, seed_everything
+from pacerl.config import ConfigError, RunConfig, config_from_dict
 from pacerl.display import EpisodeDisplay
-
-if TYPE_CHECKING:
-    from agents.evaluation import EvalConfig, EvalReport
-    from envs import Task, ToolEnv
-    from envs.suites import Benchmark
-    from pacerl.config import RunConfig
-    from pacerl.suites import SuiteResult
+from pacerl.settings import apply_overrides, config_to_dict, merge_settings, read_settings
+from pacerl.train import quiet_logging
 
 _FLAG_KEYS = {
     "model": ("model", "path"),
@@ -55,9 +66,6 @@ def eval_config(
     """The evaluation's config: `EvalConfig`'s defaults for `evaluation.settings`, then the file at
     `config_path`, then `flags` (`main_eval`'s shorthands, None ones left out), then the `key=value`
     `overrides`. ConfigError on any problem, naming the key."""
-    from agents.evaluation import EvalConfig
-    from pacerl.config import config_from_dict
-    from pacerl.settings import config_to_dict, merge_settings
 
     defaults = {"evaluation": {"settings": config_to_dict(EvalConfig())}}
     return config_from_dict(merge_settings(defaults, _given(config_path, overrides, flags)))
@@ -67,7 +75,6 @@ def _given(
     config_path: str | None, overrides: Sequence[str], flags: Mapping[str, Any] | None
 ) -> dict[str, Any]:
     """What the user set, as one settings tree: the file, then the shorthand flags, then `key=value`."""
-    from pacerl.settings import apply_overrides, merge_settings, read_settings
 
     data: dict[str, Any] = read_settings(Path(config_path)) if config_path is not None else {}
     shorthand: dict[str, Any] = {}
@@ -110,9 +117,6 @@ def main_eval(
     env's tools need is started for the evaluation (`ToolEnv.services`: the Search envs' BM25 retriever,
     in process, unless `env.retriever_url` names one). Bad input (no such directory, unknown env, task
     set or suite, invalid option) raises a one-line ConfigError or OSError before any episode starts."""
-    from pacerl.config import ConfigError
-    from pacerl.settings import config_to_dict
-    from pacerl.train import quiet_logging
 
     quiet_logging()
     flags = {
@@ -135,7 +139,6 @@ def main_eval(
         raise ConfigError("--model: name a model directory (model.path), or evaluate a served model "
                           "with engine_backend=openai")  # fmt: skip
     # Checked here: a missing `a/b` path would be taken for a hub name and fetched from the network.
-    from agents.gguf import SHIPPED
 
     shipped = str(config.model.path) in SHIPPED  # a shipped model's short name, e.g. smollm2-135m
     if not served and not shipped and not Path(str(config.model.path)).expanduser().exists():
@@ -180,9 +183,6 @@ def main_eval(
 
 def _run_env(config: RunConfig, subject: str, keep: Callable[[Sequence[dict[str, Any]]], None]) -> EvalReport:
     """The evaluation of `config.env` on its held-out tasks."""
-    from envs.registry import env_class
-    from pacerl.assembly import env_factory, seed_everything
-    from pacerl.config import ConfigError
 
     spec = config.env
     try:
@@ -216,11 +216,6 @@ def _run_suite(
     """Every benchmark of `suite`, each in its scoring env with that env's own prompt and limits and
     the benchmark's sampling (`Benchmark.eval_settings`), under what the user set explicitly (`given`:
     `evaluation.settings.*`, `env.system_prompt`, `env.max_turns`, `env.max_tool_calls` win)."""
-    from envs.registry import env_class
-    from envs.suites import load_benchmark, suite_benchmarks
-    from pacerl.assembly import seed_everything
-    from pacerl.config import ConfigError
-    from pacerl.suites import benchmark_eval_config, run_suite
 
     try:
         members = suite_benchmarks(suite)
@@ -257,28 +252,6 @@ def _run_suite(
     return run_suite(suite, evaluate_benchmark, label=subject)
 
 
-def transcript(trajectory: Any, tokenizer: Any) -> dict[str, Any]:
-    """One episode as a reader wants it: task, reward, how it ended, and each segment's text with its
-    origin (prompt, model, tool) and, for the model's, the policy version that wrote it."""
-    segments = []
-    for segment in trajectory.segments:
-        entry: dict[str, Any] = {
-            "origin": segment.origin.value,
-            "text": tokenizer.decode(list(segment.tokens)),
-        }
-        if segment.version is not None:
-            entry["version"] = segment.version
-        segments.append(entry)
-    return {
-        "id": trajectory.id,
-        "task_id": trajectory.task_id,
-        "reward": trajectory.reward,
-        "status": trajectory.status.value,
-        "status_reason": trajectory.status_reason,
-        "segments": segments,
-    }
-
-
 @contextlib.contextmanager
 def _open_for_writing(path: str) -> Iterator[TextIO]:
     target = Path(path)
@@ -298,7 +271,6 @@ def _run_eval(
     """Evaluate on the tasks `make_env`'s envs hold, sampled as `settings` say, with the engine
     `config.engine_backend` names: the embedded engine serving `model.path`, an SGLang server, or a
     served chat-completions model."""
-    import asyncio
 
     async def run() -> EvalReport:
         probe = make_env()  # the tasks exactly as the env loaded them (as `pacerl train` takes them)
@@ -322,7 +294,6 @@ async def _served(
     keep: Callable[[Sequence[dict[str, Any]]], None],
     progress: EpisodeDisplay,
 ) -> EvalReport:
-    from agents.engine.openai_chat import OpenAIChatClient, evaluate_served
 
     options = config.openai
     if settings.top_k > 0:  # not a parameter of the OpenAI API; SGLang and vLLM read it from the body
@@ -353,10 +324,6 @@ async def _local(
     progress: EpisodeDisplay,
 ) -> EvalReport:
     """The embedded engine or an SGLang server; `loaded` keeps the model across a suite's benchmarks."""
-    from agents.engine.embedded import EmbeddedEngine
-    from agents.engine.protocol import Engine
-    from agents.engine.sglang import SGLangEngine
-    from agents.evaluation import evaluate
 
     assert config.model.path is not None  # checked by main_eval
     if config.model.path not in loaded:
@@ -385,9 +352,6 @@ async def _local(
 
 
 def _load(model: str) -> tuple[Any, Any]:
-    from agents.models import load_model
-    from agents.tokenizer import with_chat_template
-    from pacerl.config import ConfigError
 
     try:
         policy, tokenizer = load_model(model)
@@ -406,82 +370,3 @@ def with_settings(make_env: Callable[[], ToolEnv], settings: Mapping[str, Any]) 
         return env
 
     return make
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    """`pacerl eval [--config FILE] [key=value ...] [--model DIR] [--env ID] [--n K] ...`."""
-    return main_eval(
-        args.model,
-        args.env,
-        args.n,
-        args.tasks,
-        args.out,
-        temperature=args.temperature,
-        max_tasks=args.max_tasks,
-        retriever_url=args.retriever_url,
-        seed=args.seed,
-        episodes=args.episodes,
-        config_path=args.config,
-        overrides=args.overrides,
-        suite=args.suite,
-        suite_dir=args.suite_dir,
-    )
-
-
-def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Add the `eval` subcommand (handler `cmd_eval`) to `pacerl`'s subparsers; returns its parser."""
-    from agents.evaluation import EvalConfig
-
-    defaults = EvalConfig()
-    parser = commands.add_parser(
-        "eval",
-        help="evaluate a model on an env's tasks: avg@K, pass@k, tool use, failures",
-        description="The same config as `pacerl train` (--config FILE and key=value overrides: model, "
-        "env, evaluation.settings, engine_backend, openai); the flags below are shorthands for its keys.",
-    )
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. "
-                        "evaluation.settings.max_new_tokens=512 env.system_prompt=null")  # fmt: skip
-    parser.add_argument("--config", metavar="FILE", help="a run config (TOML or JSON), as pacerl train's")
-    parser.add_argument("--model", metavar="DIR", help="a model directory (model.path)")
-    parser.add_argument(
-        "--env",
-        metavar="ID",
-        help="a registered env id (pacerl/CodeMath-v0, pacerl/Math-v0, pacerl/Search-v0) or module:Name-v0 "
-        "for an env your module registers (env.id)",
-    )
-    parser.add_argument(
-        "--n", type=int, metavar="K", help=f"episodes sampled per task (default {defaults.samples})"
-    )
-    parser.add_argument(
-        "--tasks",
-        metavar="FILE",
-        help="a .jsonl/.parquet task file or shipped set (default: the env's *-val; evaluation.tasks)",
-    )
-    parser.add_argument("--out", metavar="FILE", help="write the report as JSON here (default: print only)")
-    parser.add_argument(
-        "--temperature", type=float, metavar="T", help="sampling temperature; 0 is greedy, with --n 1"
-    )
-    parser.add_argument("--max-tasks", type=int, metavar="M", help="evaluate only the first M tasks")
-    parser.add_argument(
-        "--retriever-url",
-        metavar="URL",
-        help="the search tool's retriever (default: the env starts its own; Search-v0 serves BM25 over "
-        "the shipped corpus in process)",
-    )
-    parser.add_argument("--seed", type=int, help=f"seed of the samplers (default {defaults.seed})")
-    parser.add_argument(
-        "--episodes", metavar="FILE", help="write every episode's transcript here (JSONL: segments as text)"
-    )
-    parser.add_argument(
-        "--suite",
-        metavar="NAME",
-        help="evaluate a benchmark suite (math, aime, search-r1, nq-hotpotqa) or one benchmark (aime24, "
-        "math500, gsm8k, nq, ...): avg@k and pass@k per benchmark and their average",
-    )
-    parser.add_argument(
-        "--suite-dir",
-        metavar="DIR",
-        help="read the benchmarks from <DIR>/<name>.parquet (default: $PACERL_BENCHMARK_DIR, else the hub)",
-    )
-    parser.set_defaults(handler=cmd_eval)
-    return parser

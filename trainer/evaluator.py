@@ -11,7 +11,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from agents.engine.embedded import EmbeddedEngine
-from agents.evaluation import EvalConfig, evaluate
+from agents.evaluation.config import EvalConfig
+from agents.evaluation.play import evaluate
 from envs import Task, ToolEnv
 from trainer.loop import Run
 

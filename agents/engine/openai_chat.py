@@ -1,51 +1,25 @@
-"""Served models through the OpenAI chat-completions API: a client on the official `openai` package
-and a message-level episode player, so any compatible server (SGLang, vLLM, `pacerl serve openai`,
-a hosted API) is evaluated on pacerl's tool envs with the same report as a local model.
+"""Served models through the OpenAI chat-completions API: a client on the official `openai` package for
+any compatible server (SGLang, vLLM, `pacerl serve openai`, a hosted API). Episodes of a served model are
+played message by message in the evaluation room (`agents.evaluation.served`).
 
-The rollout driver (`agents.rollout`) is token-level; a chat-completions endpoint is message-level, so
-episodes of a served model are played here instead:
-
-    reset → messages + the env's tools → chat.completions → the answer's structured `tool_calls`
-    written as the env's `<tool_call>{json}</tool_call>` action → `astep` → each tool observation sent
-    back as a `role: tool` message with its call's `tool_call_id` → … until the env ends the episode.
-
-A server without a tool-call parser answers with the calls in its text; the env parses them from the
-text as it would a local model's, and their observations go back as one user turn of
-`<tool_response>` blocks (the convention of Hermes/Qwen chat templates).
-
-Nothing a server answers hangs or loses an episode: a malformed call (arguments that are not a JSON
-object, an unknown tool, no name) becomes an error observation the model reads (the env's own); an
-empty answer, an HTTP error or an unreachable server (after the client's bounded retries) ends the
-episode `failed` with its reason, counted in the report's failures.
+A failed request (an HTTP error, an unreachable server after the client's bounded retries, no choice)
+raises `ServedModelError` with the server's own message, which the episode player records as the
+episode's failure.
 
     client = OpenAIChatClient(OpenAIChatOptions(base_url="http://127.0.0.1:8000/v1"))
-    report = await evaluate_served(client, make_env, load_tasks("codemath-val"), EvalConfig(samples=4))
+    answer = await client.complete(messages, tools, max_tokens=256, temperature=0.0)
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
-import time
-import zlib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import openai
-
-from agents.evaluation import EpisodeOutcome, EvalConfig, EvalReport, build_report
-from agents.trajectory import Status
-from envs import Task, ToolEnv
-from envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-
-NOT_RUN = (
-    "Error: this call was not run (the episode's tool-call budget or the per-message cap on calls was "
-    "reached)"
-)
-"""The observation of a structured call the env did not run, so that every `tool_call_id` is answered."""
 
 
 @dataclass(frozen=True)
@@ -228,217 +202,6 @@ class OpenAIChatClient:
         if self._client is not None:
             client, self._client = self._client, None
             await client.close()
-
-
-@dataclass
-class ServedEpisode:
-    """One episode of a served model: the conversation as exchanged with the server, and its outcome."""
-
-    id: str
-    task_id: str
-    status: Status
-    status_reason: str = ""
-    reward: float | None = None
-    """The env's final reward (None for a failed episode)."""
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    """Every message sent to or answered by the server, in order."""
-    turns: int = 0
-    """Assistant answers."""
-    completion_tokens: int = 0
-    """Tokens the model generated, all turns together (the server's usage counts)."""
-    context_tokens: int = 0
-    """The last answer's prompt plus completion tokens: the conversation's length so far."""
-    env_info: dict[str, Any] = field(default_factory=dict)
-    """The env's info of its last step."""
-
-    @property
-    def tool_calls(self) -> int:
-        """The env's count of tool calls when it reported one, else the tool turns of the conversation."""
-        calls = self.env_info.get("tool_calls")
-        if isinstance(calls, int):
-            return calls
-        return sum(m["role"] == "tool" for m in self.messages)
-
-    def to_json(self) -> dict[str, Any]:
-        """Plain JSON types (for transcripts)."""
-        data = asdict(self)
-        data["status"] = self.status.value
-        return data
-
-
-async def play_episode(
-    client: OpenAIChatClient,
-    env: ToolEnv,
-    task: Task,
-    config: EvalConfig,
-    episode_id: str,
-) -> ServedEpisode:
-    """One episode of `task` on `env` with the served model; always returns a finished record."""
-    observation, _ = env.reset(options={"task": task})
-    episode = ServedEpisode(episode_id, task.id, Status.RUNNING, messages=[dict(m) for m in observation])
-    tools = [_openai_tool(schema) for schema in env.tool_schemas()] if client.options.tools else []
-    while True:
-        room = config.max_total_tokens - episode.context_tokens
-        if room <= 0:
-            return _end(episode, Status.TRUNCATED, "context budget exhausted", 0.0)
-        seed = zlib.crc32(f"{config.seed}/{episode_id}/{episode.turns}".encode()) & 0x7FFFFFFF
-        try:
-            answer = await client.complete(
-                episode.messages,
-                tools,
-                max_tokens=min(config.max_new_tokens, room),
-                temperature=config.temperature,
-                top_p=config.top_p,
-                seed=seed,
-            )
-        except ServedModelError as error:
-            return _end(episode, Status.FAILED, f"engine failed: {error}", None)
-        episode.turns += 1
-        episode.completion_tokens += answer.completion_tokens
-        episode.context_tokens = answer.prompt_tokens + answer.completion_tokens
-        episode.messages.append(answer.message())
-        if not answer.content.strip() and not answer.tool_calls:
-            return _end(episode, Status.FAILED, f"empty answer (finish_reason {answer.finish_reason})", None)
-        action, spans = _action(answer)
-        observation, reward, terminated, truncated, info = await env.astep(action)
-        episode.env_info = info
-        if terminated or truncated:
-            status = Status.COMPLETED if terminated else Status.TRUNCATED
-            reason = "" if terminated else str(info.get("truncation_reason") or "truncated")
-            return _end(episode, status, reason, float(reward))
-        if answer.tool_calls:
-            episode.messages += _tool_messages(env, action, spans, answer.tool_calls, observation)
-        else:  # calls written in the text: the observations come back as the template would render them
-            blocks = "\n".join(f"<tool_response>\n{m['content']}\n</tool_response>" for m in observation)
-            episode.messages.append({"role": "user", "content": blocks})
-
-
-def _end(episode: ServedEpisode, status: Status, reason: str, reward: float | None) -> ServedEpisode:
-    episode.status, episode.status_reason, episode.reward = status, reason, reward
-    return episode
-
-
-def _openai_tool(schema: Mapping[str, Any]) -> dict[str, Any]:
-    """`{"type": "function", "function": {...}}` whether the env gave that or the bare function schema."""
-    if schema.get("type") == "function" and isinstance(schema.get("function"), Mapping):
-        return dict(schema)
-    return {"type": "function", "function": dict(schema)}
-
-
-def _action(answer: ChatAnswer) -> tuple[str, list[tuple[int, int]]]:
-    """The env's action for an answer: its text, then each structured call as a `<tool_call>` block,
-    with the `[start, end)` span of each block in the action. Arguments that are not JSON go in as a
-    string, which the env refuses with a message the model reads, as it refuses a bad object."""
-    action = answer.content
-    spans: list[tuple[int, int]] = []
-    for call in answer.tool_calls:
-        try:
-            arguments: Any = json.loads(call.arguments) if call.arguments.strip() else {}
-        except json.JSONDecodeError:
-            arguments = call.arguments
-        block = TOOL_CALL_OPEN + json.dumps({"name": call.name, "arguments": arguments}) + TOOL_CALL_CLOSE
-        action += "\n" if action else ""
-        spans.append((len(action), len(action) + len(block)))
-        action += block
-    return action, spans
-
-
-def _tool_messages(
-    env: ToolEnv,
-    action: str,
-    spans: Sequence[tuple[int, int]],
-    calls: Sequence[ChatToolCall],
-    observation: Sequence[Mapping[str, str]],
-) -> list[dict[str, Any]]:
-    """One `role: tool` message per structured call, holding the env's observations of it.
-
-    The env answers a message's malformed calls first, then its well-formed ones, each in text order,
-    and stops at its tool-call budget; the env's own parse of the action says which block each
-    observation belongs to. A call the env did not run is answered with `NOT_RUN`; an observation of no
-    structured call (a code block in the answer's text) is added to the last tool message."""
-    parsed = env.parse(action)
-    starts = [error.start for error in parsed.errors] + [call.start for call in parsed.calls]
-    answers: list[list[str]] = [[] for _ in calls]
-    stray: list[str] = []
-    for index, message in enumerate(observation):
-        owner = None
-        if index < len(starts):
-            owner = next((i for i, (a, b) in enumerate(spans) if a <= starts[index] < b), None)
-        (stray if owner is None else answers[owner]).append(message["content"])
-    messages: list[dict[str, Any]] = [
-        {"role": "tool", "tool_call_id": call.id, "content": "\n".join(texts) or NOT_RUN}
-        for call, texts in zip(calls, answers, strict=True)
-    ]
-    if stray:
-        messages[-1]["content"] += "\n" + "\n".join(stray)
-    return messages
-
-
-async def evaluate_served(
-    client: OpenAIChatClient,
-    make_env: Callable[[], ToolEnv],
-    tasks: Sequence[Task],
-    config: EvalConfig | None = None,
-    *,
-    label: str = "",
-    on_group: Callable[[Sequence[ServedEpisode]], None] | None = None,
-    on_episode: Callable[[int], None] | None = None,
-) -> EvalReport:
-    """`agents.evaluation.evaluate` for a served model: `config.samples` episodes of each task (the first
-    `max_tasks`), scored per episode into the same `EvalReport`; `on_episode` gets each episode's
-    generated tokens as it ends. From `config` it takes samples,
-    temperature, max_new_tokens (per answer), max_total_tokens (the conversation's tokens, from the
-    server's usage counts), ks, success_threshold, max_tasks, seed (each request's seed derives from it)
-    and max_concurrent_tasks; the stop strings and tools are the client's (`OpenAIChatOptions`), and the
-    report's config says so. `policy_version` is 0: a served model has no version pacerl knows. The
-    client is left open."""
-    config = config or EvalConfig()
-    chosen = list(tasks[: config.max_tasks] if config.max_tasks is not None else tasks)
-    if not chosen:
-        raise ValueError("there are no tasks to evaluate")
-    if len({task.id for task in chosen}) != len(chosen):
-        raise ValueError("task ids must be unique: each task's samples are one group named by its id")
-    await client.model()  # a wrong URL or key fails here, once, not in every episode
-    slots = asyncio.Semaphore(config.max_concurrent_tasks)
-
-    async def episode(task: Task, index: int) -> ServedEpisode:
-        env = make_env()
-        try:
-            played = await play_episode(client, env, task, config, f"eval/{task.id}/{index}")
-        finally:
-            env.close()
-        if on_episode is not None:
-            on_episode(played.completion_tokens)
-        return played
-
-    async def group(task: Task) -> list[ServedEpisode]:
-        async with slots:
-            played = list(await asyncio.gather(*(episode(task, i) for i in range(config.samples))))
-        if on_group is not None:
-            on_group(played)
-        return played
-
-    started = time.perf_counter()
-    groups = await asyncio.gather(*(group(task) for task in chosen))
-    wall = time.perf_counter() - started
-    ran = replace(config, stop_strings=client.options.stop, tool_schemas_in_prompt=client.options.tools)
-    return served_report(chosen, groups, ran, label, wall)
-
-
-def served_report(
-    tasks: Sequence[Task],
-    groups: Sequence[Sequence[ServedEpisode]],
-    config: EvalConfig,
-    label: str,
-    wall: float,
-) -> EvalReport:
-    """The `EvalReport` of served episodes, computed as `evaluate` computes it from trajectories."""
-    outcomes = [
-        [EpisodeOutcome(e.status, e.status_reason, e.reward, e.tool_calls > 0, e.turns, e.completion_tokens)
-         for e in played]
-        for played in groups
-    ]  # fmt: skip
-    return build_report(tasks, outcomes, config, 0, label, wall)
 
 
 def _brief(error: Exception) -> str:

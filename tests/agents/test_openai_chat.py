@@ -13,17 +13,10 @@ from typing import Any
 import pytest
 
 from agents.engine.embedded import EmbeddedEngine
-from agents.engine.openai_chat import (
-    NOT_RUN,
-    ChatAnswer,
-    ChatToolCall,
-    OpenAIChatClient,
-    OpenAIChatOptions,
-    ServedEpisode,
-    evaluate_served,
-    play_episode,
-)
-from agents.evaluation import EvalConfig
+from agents.engine.openai_chat import ChatAnswer, ChatToolCall, OpenAIChatClient, OpenAIChatOptions
+from agents.evaluation.config import EvalConfig
+from agents.evaluation.play import evaluate_served
+from agents.evaluation.served import NOT_RUN, ServedEpisode, play_episode
 from agents.models import TinyMoEConfig, build_tiny_moe
 from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Status

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from agents.engine.embedded import EmbeddedEngine
+from agents.evaluation.benchmarks import BENCHMARKS, SUITES
 from agents.models import build_tiny_moe, load_model, save_model
 from agents.tokenizer import tiny_tokenizer
-from envs.suites import BENCHMARKS, SUITES
 from pacerl.config import ConfigError
 from pacerl.evaluate import main_eval
 from pacerl.serve_openai import create_app

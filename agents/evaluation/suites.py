@@ -1,5 +1,5 @@
-"""Benchmark suites at the front door: evaluate every benchmark of a suite (`envs/suites.py`) and report
-avg@k and pass@k per benchmark and their average, as the tables of papers do.
+"""Benchmark suites: evaluate every benchmark of a suite (`agents.evaluation.benchmarks`) and report avg@k
+and pass@k per benchmark and their average, as the tables of papers do.
 
     result = run_suite("math", evaluate_benchmark, label="Qwen3-1.7B")
     print(result.table())        # benchmarks as columns, then Avg.; rows avg@k and pass@k per model
@@ -22,12 +22,14 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from envs.suites import Benchmark, suite_benchmarks
+from rich.console import Console
+from rich.table import Table
 
-if TYPE_CHECKING:
-    from agents.evaluation import EvalConfig, EvalReport
+from agents.evaluation.benchmarks import Benchmark, suite_benchmarks
+from agents.evaluation.config import EvalConfig
+from agents.evaluation.report import EvalReport
 
 
 @dataclass(frozen=True)
@@ -129,9 +131,6 @@ def _layout(results: Sequence[SuiteResult]) -> tuple[list[str], list[list[str]]]
 def suite_table(results: Sequence[SuiteResult]) -> str:
     """Several models' results on one suite as aligned text: benchmarks as columns, then Avg.; rows
     avg@k and pass@k per model, in percent."""
-    from rich.console import Console
-    from rich.table import Table
-
     header, rows = _layout(results)
     table = Table(title=f"suite {results[0].suite}")
     for index, name in enumerate(header):
@@ -158,8 +157,6 @@ def benchmark_eval_config(
     settings (`eval_settings`: samples, temperature, Search-R1's stop strings and budgets), then what
     the user set explicitly (`given`, e.g. `{"samples": 8}`), which wins. `ks` keeps only the k a
     benchmark's samples allow."""
-    from agents.evaluation import EvalConfig
-
     settings = {**benchmark.eval_settings, **(given or {})}
     config = replace(base or EvalConfig(), **{k: v for k, v in settings.items() if k != "ks"}, ks=(1,))
     ks = settings.get("ks", (base.ks if base is not None else (1,)))
