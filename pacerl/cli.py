@@ -14,7 +14,6 @@ from pathlib import Path
 from agents.evaluation.config import EvalConfig
 from pacerl.lab.calibrate_cli import add_calibrate_parser
 from pacerl.lab.simulate_cli import add_simulate_parser
-from pacerl.plots import add_plot_parser
 from pacerl.serve_openai import add_serve_openai_parser
 from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
 from sandbox.http_guard import add_guard_flags, guard_from_flags
@@ -183,6 +182,101 @@ def cmd_upcycle(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """`pacerl eval [--config FILE] [key=value ...] [--model DIR] [--env ID] [--n K] ...`."""
+    from pacerl.evaluate import main_eval
+
+    return main_eval(
+        args.model,
+        args.env,
+        args.n,
+        args.tasks,
+        args.out,
+        temperature=args.temperature,
+        max_tasks=args.max_tasks,
+        retriever_url=args.retriever_url,
+        seed=args.seed,
+        episodes=args.episodes,
+        config_path=args.config,
+        overrides=args.overrides,
+        suite=args.suite,
+        suite_dir=args.suite_dir,
+    )
+
+
+def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add the `eval` subcommand (handler `cmd_eval`) to `pacerl`'s subparsers; returns its parser."""
+    defaults = EvalConfig()
+    parser = commands.add_parser(
+        "eval",
+        help="evaluate a model on an env's tasks: avg@K, pass@k, tool use, failures",
+        description="The same config as `pacerl train` (--config FILE and key=value overrides: model, "
+        "env, evaluation.settings, engine_backend, openai); the flags below are shorthands for its keys.",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. "
+                        "evaluation.settings.max_new_tokens=512 env.system_prompt=null")  # fmt: skip
+    parser.add_argument("--config", metavar="FILE", help="a run config (TOML or JSON), as pacerl train's")
+    parser.add_argument("--model", metavar="DIR", help="a model directory (model.path)")
+    parser.add_argument(
+        "--env",
+        metavar="ID",
+        help="a registered env id (pacerl/CodeMath-v0, pacerl/Math-v0, pacerl/Search-v0) or module:Name-v0 "
+        "for an env your module registers (env.id)",
+    )
+    parser.add_argument(
+        "--n", type=int, metavar="K", help=f"episodes sampled per task (default {defaults.samples})"
+    )
+    parser.add_argument(
+        "--tasks",
+        metavar="FILE",
+        help="a .jsonl/.parquet task file or shipped set (default: the env's *-val; evaluation.tasks)",
+    )
+    parser.add_argument("--out", metavar="FILE", help="write the report as JSON here (default: print only)")
+    parser.add_argument(
+        "--temperature", type=float, metavar="T", help="sampling temperature; 0 is greedy, with --n 1"
+    )
+    parser.add_argument("--max-tasks", type=int, metavar="M", help="evaluate only the first M tasks")
+    parser.add_argument(
+        "--retriever-url",
+        metavar="URL",
+        help="the search tool's retriever (default: the env starts its own; Search-v0 serves BM25 over "
+        "the shipped corpus in process)",
+    )
+    parser.add_argument("--seed", type=int, help=f"seed of the samplers (default {defaults.seed})")
+    parser.add_argument(
+        "--episodes", metavar="FILE", help="write every episode's transcript here (JSONL: segments as text)"
+    )
+    parser.add_argument(
+        "--suite",
+        metavar="NAME",
+        help="evaluate a benchmark suite (math, aime, search-r1, nq-hotpotqa) or one benchmark (aime24, "
+        "math500, gsm8k, nq, ...): avg@k and pass@k per benchmark and their average",
+    )
+    parser.add_argument(
+        "--suite-dir",
+        metavar="DIR",
+        help="read the benchmarks from <DIR>/<name>.parquet (default: $PACERL_BENCHMARK_DIR, else the hub)",
+    )
+    parser.set_defaults(handler=cmd_eval)
+    return parser
+
+
+def add_plot_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add `pacerl plot RUN_DIR` to the CLI's subcommands."""
+    parser = commands.add_parser("plot", help="redraw a run's PNG plots into RUN_DIR/plots/")
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run directory (holds metrics.jsonl)")
+    parser.set_defaults(handler=cmd_plot)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """`pacerl plot RUN_DIR`: print each written path."""
+    from pacerl.plots import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pacerl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -315,82 +409,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    """`pacerl eval [--config FILE] [key=value ...] [--model DIR] [--env ID] [--n K] ...`."""
-    from pacerl.evaluate import main_eval
-
-    return main_eval(
-        args.model,
-        args.env,
-        args.n,
-        args.tasks,
-        args.out,
-        temperature=args.temperature,
-        max_tasks=args.max_tasks,
-        retriever_url=args.retriever_url,
-        seed=args.seed,
-        episodes=args.episodes,
-        config_path=args.config,
-        overrides=args.overrides,
-        suite=args.suite,
-        suite_dir=args.suite_dir,
-    )
-
-
-def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Add the `eval` subcommand (handler `cmd_eval`) to `pacerl`'s subparsers; returns its parser."""
-    defaults = EvalConfig()
-    parser = commands.add_parser(
-        "eval",
-        help="evaluate a model on an env's tasks: avg@K, pass@k, tool use, failures",
-        description="The same config as `pacerl train` (--config FILE and key=value overrides: model, "
-        "env, evaluation.settings, engine_backend, openai); the flags below are shorthands for its keys.",
-    )
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. "
-                        "evaluation.settings.max_new_tokens=512 env.system_prompt=null")  # fmt: skip
-    parser.add_argument("--config", metavar="FILE", help="a run config (TOML or JSON), as pacerl train's")
-    parser.add_argument("--model", metavar="DIR", help="a model directory (model.path)")
-    parser.add_argument(
-        "--env",
-        metavar="ID",
-        help="a registered env id (pacerl/CodeMath-v0, pacerl/Math-v0, pacerl/Search-v0) or module:Name-v0 "
-        "for an env your module registers (env.id)",
-    )
-    parser.add_argument(
-        "--n", type=int, metavar="K", help=f"episodes sampled per task (default {defaults.samples})"
-    )
-    parser.add_argument(
-        "--tasks",
-        metavar="FILE",
-        help="a .jsonl/.parquet task file or shipped set (default: the env's *-val; evaluation.tasks)",
-    )
-    parser.add_argument("--out", metavar="FILE", help="write the report as JSON here (default: print only)")
-    parser.add_argument(
-        "--temperature", type=float, metavar="T", help="sampling temperature; 0 is greedy, with --n 1"
-    )
-    parser.add_argument("--max-tasks", type=int, metavar="M", help="evaluate only the first M tasks")
-    parser.add_argument(
-        "--retriever-url",
-        metavar="URL",
-        help="the search tool's retriever (default: the env starts its own; Search-v0 serves BM25 over "
-        "the shipped corpus in process)",
-    )
-    parser.add_argument("--seed", type=int, help=f"seed of the samplers (default {defaults.seed})")
-    parser.add_argument(
-        "--episodes", metavar="FILE", help="write every episode's transcript here (JSONL: segments as text)"
-    )
-    parser.add_argument(
-        "--suite",
-        metavar="NAME",
-        help="evaluate a benchmark suite (math, aime, search-r1, nq-hotpotqa) or one benchmark (aime24, "
-        "math500, gsm8k, nq, ...): avg@k and pass@k per benchmark and their average",
-    )
-    parser.add_argument(
-        "--suite-dir",
-        metavar="DIR",
-        help="read the benchmarks from <DIR>/<name>.parquet (default: $PACERL_BENCHMARK_DIR, else the hub)",
-    )
-    parser.set_defaults(handler=cmd_eval)
-    return parser

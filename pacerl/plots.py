@@ -20,26 +20,22 @@ process.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 from numpy.typing import ArrayLike
 
 from envs.jsonl import read_jsonl
-
-if TYPE_CHECKING:
-    # matplotlib is imported where a figure is drawn: `pacerl.cli` imports this module for its parser,
-    # and every other command would otherwise pay matplotlib's second of start-up.
-    from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
 
 # trainer.metrics.METRICS_FILE (a test keeps them equal): importing `trainer` pulls in torch and
 # transformers, seconds of start-up that `pacerl plot` has no use for.
@@ -142,20 +138,6 @@ def plot_run(run_dir: Path) -> list[Path]:
         figure.suptitle(f"{run_dir.resolve().name}: {name}")
         written.append(save_png(figure, out / f"{name}.png"))
     return written
-
-
-def add_plot_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add `pacerl plot RUN_DIR` to the CLI's subcommands."""
-    parser = commands.add_parser("plot", help="redraw a run's PNG plots into RUN_DIR/plots/")
-    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run directory (holds metrics.jsonl)")
-    parser.set_defaults(handler=cmd_plot)
-
-
-def cmd_plot(args: argparse.Namespace) -> int:
-    """`pacerl plot RUN_DIR`: print each written path."""
-    for path in plot_run(args.run_dir):
-        print(path)
-    return 0
 
 
 # --- figures -------------------------------------------------------------------------------------------
@@ -296,9 +278,6 @@ def _sat_figure(metrics: RunMetrics, run_dir: Path) -> Figure:
 def _grid(metrics: RunMetrics, rows: int, cols: int) -> tuple[Figure, list[Axes]]:
     """A figure of `rows` × `cols` panels sharing the step axis (elapsed seconds above the top row),
     flattened row by row."""
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
     figure = Figure(figsize=(6 * cols, 2.8 * rows + 0.6), dpi=_DPI, layout="constrained")
     axes = figure.subplots(rows, cols, sharex=True, squeeze=False)
     flat: list[Axes] = list(axes.ravel())
@@ -392,8 +371,6 @@ def _pace_target(run_dir: Path) -> int | None:
 def save_png(figure: Figure, path: Path, *, dpi: int = _DPI) -> Path:
     """The project's one way to write a figure: the PNG is written beside its final name and renamed,
     so a viewer never reads half a file (a figure made without pyplot gets its Agg canvas here)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     FigureCanvasAgg(figure)
     partial = path.with_name(f".{path.name}.partial")
     figure.savefig(partial, format="png", dpi=dpi)

@@ -22,7 +22,7 @@ from agents.tokenizer import tiny_tokenizer
 from agents.trajectory import Status
 from envs import Task, ToolEnvConfig, load_tasks
 from envs.code_math import CodeMathEnv
-from pacerl.serve_openai import create_app
+from pacerl.openai_app import create_app
 from tests.helpers import ThreadServer, free_port
 from tests.pacerl.helpers import TextEngine
 

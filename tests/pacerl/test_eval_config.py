@@ -18,7 +18,7 @@ from agents.tokenizer import tiny_tokenizer
 from envs.code_math import SYSTEM_PROMPT as CODE_MATH_PROMPT
 from pacerl.config import ConfigError, load_config
 from pacerl.evaluate import eval_config, main_eval
-from pacerl.serve_openai import create_app
+from pacerl.openai_app import create_app
 from pacerl.train import train
 from tests.helpers import ThreadServer, free_port
 

@@ -15,7 +15,7 @@ from agents.models import build_tiny_moe, load_model, save_model
 from agents.tokenizer import tiny_tokenizer
 from pacerl.config import ConfigError
 from pacerl.evaluate import main_eval
-from pacerl.serve_openai import create_app
+from pacerl.openai_app import create_app
 from tests.helpers import ThreadServer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "suites"

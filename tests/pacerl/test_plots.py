@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -13,6 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.image import imread
 
 from pacerl import plots
+from pacerl.cli import build_parser
 from trainer import metrics as trainer_metrics
 from trainer.metrics import MetricsWriter
 
@@ -85,9 +85,7 @@ def _check_png(path: Path) -> None:
 def test_plot_command_writes_the_four_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     _write_run(run_dir)
-    parser = argparse.ArgumentParser(prog="pacerl")
-    plots.add_plot_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["plot", str(run_dir)])
+    args = build_parser().parse_args(["plot", str(run_dir)])
 
     assert args.handler(args) == 0
 

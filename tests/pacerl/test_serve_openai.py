@@ -29,7 +29,8 @@ from agents.engine.protocol import Generation, SamplingParams
 from agents.models import TinyMoEConfig, build_tiny_moe
 from agents.tokenizer import tiny_tokenizer
 from envs.code_math import CodeMathEnv
-from pacerl.serve_openai import create_app, error_body, split_tool_calls
+from pacerl.openai_app import create_app
+from pacerl.serve_openai import error_body, split_tool_calls
 from sandbox.http_guard import MIB, HttpGuardConfig
 from tests.helpers import ThreadServer, free_port
 from tests.hostile_http import (
