@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pacerl.lab.calibration import collapse_step
-from pacerl.lab.calibration_report import analyse, jsonable, markdown_report, plot_stability
 
 if TYPE_CHECKING:
     from pacerl.config import RunConfig
@@ -247,7 +246,10 @@ def point_settings(point: GridPoint, options: Options, run_dir: Path, extra: Map
 def main_calibrate(options: Options) -> int:
     """Run (or resume) the sweep, then fit, report and plot. Every point's config is checked, and so
     are the finished points' settings, before anything is written."""
+    # The run config (torch) and the report (matplotlib) are imported when a calibration runs, not for
+    # `pacerl --help`.
     from pacerl.config import load_config
+    from pacerl.lab.calibration_report import analyse, jsonable, markdown_report, plot_stability
 
     base = load_config(options.config, [*_pairs(DEFAULT_SETTINGS), *options.overrides])
     warm = options.out / WARM_START_DIR

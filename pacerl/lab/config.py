@@ -27,9 +27,17 @@ Interrupt: TypeAlias = Literal["reprefill", "continue"]
 SyncBaseline: TypeAlias = Literal["colocated", "split"]
 
 
+def cluster_filter(batch_groups: int) -> FilterConfig:
+    """The simulator's filter for batches of `batch_groups` groups: PACE with a target of one batch
+    waiting and eight batches in flight, enough rows to keep a cluster's engines busy. (A training run's
+    own defaults, `trainer.pool.FilterConfig`, fit the batches of a laptop run instead.)"""
+    return FilterConfig(
+        name="pace", max_concurrent_groups=8 * batch_groups, pace=PaceSettings(target_groups=batch_groups)
+    )
+
+
 def _default_filter() -> FilterConfig:
-    # PACE's target: one batch waiting; in flight: eight batches, enough rows to keep the engines busy
-    return FilterConfig(name="pace", max_concurrent_groups=256, pace=PaceSettings(target_groups=32))
+    return cluster_filter(SimConfig.batch_groups)
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class SimConfig:
     """S: weights are published every S updates (sync: a round generates S·B groups). >= 1."""
     filter: FilterConfig = field(default_factory=_default_filter)
     """The pool's staleness filter and its knobs (`trainer.pool.FilterConfig`), including
-    `max_concurrent_groups`, the producer's in-flight cap."""
+    `max_concurrent_groups`, the producer's in-flight cap; default `cluster_filter(batch_groups)`."""
     seed: int = 0
     """Seed of every sample (lengths, latencies, drift sensitivities). >= 0."""
     weight_sync_s: float = 3.0

@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pacerl.lab.config import SimConfig, cluster_filter, config_from_dict
 from pacerl.settings import ConfigError, apply_overrides, read_settings
 
 if TYPE_CHECKING:
-    from pacerl.lab.config import SimConfig
     from pacerl.lab.presets import Preset
 
 FILTERS = ("none", "max_age", "admission", "pace")
@@ -124,9 +124,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     if args.filter is not None:
         # a user's filter (module:name) is checked by the config, which imports its module
         filter_["name"] = args.filter if ":" in args.filter else _choice("--filter", args.filter, FILTERS)
-    if "batch_groups" in data:
-        filter_.setdefault("max_concurrent_groups", 8 * data["batch_groups"])
-        filter_.setdefault("pace", {}).setdefault("target_groups", data["batch_groups"])
+    if "batch_groups" in data:  # the filter's defaults follow the batch (`cluster_filter`)
+        derived = cluster_filter(data["batch_groups"])
+        filter_.setdefault("max_concurrent_groups", derived.max_concurrent_groups)
+        filter_.setdefault("pace", {}).setdefault("target_groups", derived.pace.target_groups)
     if filter_:
         data["filter"] = filter_
     if args.group_size is not None:
@@ -157,7 +158,6 @@ def build_config(args: argparse.Namespace) -> tuple[SimConfig, Preset | None]:
         except ConfigError as error:
             raise ValueError(f"key=value: {error}") from None
 
-    from pacerl.lab.config import SimConfig, config_from_dict
     from pacerl.lab.presets import PRESETS
     from pacerl.lab.traces import workload_from_trace
 
