@@ -4,22 +4,34 @@ It is started before any job is known (so a pool of warm sandboxes can wait for 
 zygote that runs no code of the user's itself: the code runs in processes it forks. It is the
 sandbox's PID 1, except in a Docker session's container (exec'd there, it serves one episode).
 
-In `oneshot` mode (see `oneshot_zygote`) it imports what snippets use, forks the next run's process
-ahead of time, and serves one run after another: the process reads its job (one length-prefixed JSON
-frame), writes the job's files into the work directory, applies the rlimits, and then becomes the
-user's program (Python code runs in this very interpreter, bash replaces it by exec). After each run
-the zygote kills every process of the sandbox and resets it, as between sessions.
+In `oneshot` mode (see `oneshot_zygote`, sandbox/_launcher_oneshot.py) it imports what snippets use,
+forks the next run's process ahead of time, and serves one run after another: the process reads its
+job (one length-prefixed JSON frame), writes the job's files into the work directory, applies the
+rlimits, and then becomes the user's program (Python code runs in this very interpreter, bash
+replaces it by exec). After each run the zygote kills every process of the sandbox and resets it, as
+between sessions.
 
-In `session` mode (see `session`) it forks one small REPL per episode and resets the sandbox for the
-next episode. The REPL: one frame in, one frame out per call, globals kept between calls, each call's
-stdout/stderr captured in files on the private tmpfs (so the host reads only the capped head), a
-per-call SIGALRM that interrupts runaway cells without losing the session.
+In `session` mode (see `session`, sandbox/_launcher_session.py) it forks one small REPL per episode
+and resets the sandbox for the next episode. The REPL: one frame in, one frame out per call, globals
+kept between calls, each call's stdout/stderr captured in files on the private tmpfs (so the host
+reads only the capped head), a per-call SIGALRM that interrupts runaway cells without losing the
+session.
+
+The launcher is one source made of three files, joined in this order by `LAUNCHER_SOURCE`
+(sandbox/_protocol.py): this one (what both modes share: frames, files, rlimits, the reset, the pipe
+relays, the `unshare` fallback), sandbox/_launcher_session.py, and sandbox/_launcher_oneshot.py,
+which ends with the entry point of every mode. It is one source because it reaches the sandbox as
+the argument of `python3 -I -c`: a sandbox holds no copy of the project and could not import it
+(with `DockerOptions.hide_proc`, sandbox/_hide_proc.py goes ahead of it). So each later part uses
+the names of the parts before it as its own globals (it imports them from here for the type checker
+only), and all of it runs as `<string>`, the file name whose frames `print_exception` leaves out of
+the user's tracebacks. A module a part imports at its top is loaded in every zygote, and so in every
+run forked from it: the parts import at their tops only the modules the launcher always needs,
+anything else inside the function that uses it.
 
 Standard library only; runs under `python3 -I`. It must not import the project.
 """
 
-import ast
-import atexit
 import base64
 import contextlib
 import json
@@ -168,28 +180,6 @@ def take_host_pipes(status_fd: int, lib: Any) -> tuple[int, int, Job]:
     return host_in, host_out, snapshot(lib)
 
 
-def run_job(job: Job, status_fd: int) -> None:
-    """Become the user's program (a run's forked process; it never returns)."""
-    write_files(job["files"], status_fd)
-    replace_fd(stdin_fd(base64.b64decode(job["stdin"])), 0)
-    apply_limits(job["limits"])
-    announce_start(status_fd)
-    if job["language"] == "bash":
-        os.execv("/bin/bash", ["bash", "-c", job["code"]])
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    module = new_main_module()
-    filename = str(module.__file__)
-    register_source(filename, job["code"])
-    try:
-        exec(compile(job["code"], filename, "exec"), module.__dict__)
-    except SystemExit as error:
-        finish(exit_status(error))
-    except BaseException as error:
-        print_exception(error)
-        finish(1)
-    finish(0)
-
-
 def exit_status(error: SystemExit) -> int:
     """The exit status `raise SystemExit(code)` gives in CPython (a message goes to stderr, status 1)."""
     if error.code is None:
@@ -200,134 +190,9 @@ def exit_status(error: SystemExit) -> int:
     return 1
 
 
-def finish(status: int) -> None:
-    """Exit as CPython would (threads joined, atexit run, streams flushed) but skip the module
-    teardown, which costs a third of a one-shot run and nothing the user can observe."""
-    if "threading" in sys.modules:
-        sys.modules["threading"]._shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(status)
-
-
-class CellTimeout(BaseException):
-    """Raised into a running cell by SIGALRM; a BaseException so `except Exception` cannot swallow it."""
-
-
-def on_alarm(signum: int, frame: object) -> None:
-    raise CellTimeout()
-
-
-def run_cell(code: str, module: types.ModuleType, number: int) -> None:
-    """Run one cell; print the value of a trailing expression, as a notebook does."""
-    filename = f"<cell {number}>"
-    register_source(filename, code)
-    tree = ast.parse(code, filename)
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body[-1].value)
-        tree.body.pop()
-    exec(compile(tree, filename, "exec"), module.__dict__)
-    if last is not None:
-        value = eval(compile(last, filename, "eval"), module.__dict__)
-        if value is not None:
-            print(repr(value))
-
-
-def capped_read(path: str, cap: int) -> tuple[str, int]:
-    with open(path, "rb") as handle:
-        head = handle.read(cap)
-        total = os.fstat(handle.fileno()).st_size
-    os.unlink(path)
-    return base64.b64encode(head).decode(), total
-
-
-def repl(limits: Job, control_in: int, control_out: int) -> None:
-    """One episode's interpreter: a forked child of the zygote, talking to it over `control_*`."""
-    replace_fd(os.open(os.devnull, os.O_RDONLY), 0)
-    for fd in (1, 2):
-        replace_fd(os.open(os.devnull, os.O_WRONLY), fd)
-    io_dir = "/tmp/.pacerl-io"
-    os.makedirs(io_dir, exist_ok=True)
-    # The zygote's RLIMIT_NPROC count includes the zygote itself: one more keeps the user's budget.
-    apply_limits(limits | {"max_processes": limits["max_processes"] + 1}, cpu_hard=resource.RLIM_INFINITY)
-    # POSIX message queues live in the IPC namespace, which outlives an episode, and cannot be listed
-    # without an mqueue mount: forbid creating them, so none can carry state to the next episode.
-    resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
-    # Both the per-cell wall alarm and the per-cell CPU budget interrupt the cell, not the session.
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.signal(signal.SIGXCPU, on_alarm)
-    module = new_main_module()
-    write_frame(control_out, {"ready": True})
-    number = 0
-    while True:
-        request = read_frame(control_in)
-        if request is None:
-            return
-        number += 1
-        out_path, err_path = f"{io_dir}/out-{number}", f"{io_dir}/err-{number}"
-        sys.stdout.flush()
-        sys.stderr.flush()
-        replace_fd(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 1)
-        replace_fd(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
-        replace_fd(stdin_fd(base64.b64decode(request.get("stdin", ""))), 0)
-        exit_code: int | None
-        used = resource.getrusage(resource.RUSAGE_SELF)
-        cpu_now = int(used.ru_utime + used.ru_stime) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_now + request["cpu_s"], resource.RLIM_INFINITY))
-        kind, exit_code = "ok", 0
-        try:
-            signal.setitimer(signal.ITIMER_REAL, request["timeout_s"])
-            run_cell(request["code"], module, number)
-        except CellTimeout:
-            kind, exit_code = "timeout", None
-        except SystemExit as error:
-            exit_code = exit_status(error)
-            kind = "ok" if exit_code == 0 else "error"
-        except MemoryError as error:
-            print_exception(error)
-            kind, exit_code = "memory", 1
-        except BaseException as error:
-            print_exception(error)
-            kind, exit_code = "error", 1
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        for stream in (sys.stdout, sys.stderr):
-            # A cell that filled its output file (RLIMIT_FSIZE) cannot flush; what it wrote is on disk.
-            with contextlib.suppress(OSError):
-                stream.flush()
-        cap = request["output_cap_bytes"]
-        stdout, stdout_total = capped_read(out_path, cap)
-        stderr, stderr_total = capped_read(err_path, cap)
-        write_frame(
-            control_out,
-            {
-                "kind": kind,
-                "exit_code": exit_code,
-                "stdout": stdout,
-                "stdout_total": stdout_total,
-                "stderr": stderr,
-                "stderr_total": stderr_total,
-            },
-        )
-
-
-# -- the session zygote: one sandbox serves many episodes, each in a fresh forked interpreter ---------
-#
-# The zygote is the only process that holds the host's pipes. It is PID 1 of the sandbox (bubblewrap
-# runs it with --as-pid-1; `unshare --fork` makes it PID 1 anyway), so no other process in the sandbox
-# inherits or holds those pipes, and it is non-dumpable, so same-uid code can neither ptrace it nor
-# take its descriptors with pidfd_getfd nor read its memory. It never parses what an episode writes:
-# payloads move between pipes with splice(2), so nothing of one episode (code, stdin, output) ever
-# enters the zygote's memory and reaches the next episode's forked interpreter. It reads only the
-# episode's frame headers, which must be plain decimal sizes within the cap the host sent with the
-# call; anything else ends the sandbox with a `!reason` line the host reports as a sandbox error.
-#
-# Host -> zygote: `SIZE CAP\n` + SIZE bytes (a cell, relayed to the interpreter; its reply may be at
-# most CAP bytes), or `reset\n`. Zygote -> host: `SIZE\n` + SIZE bytes (the interpreter's reply), or
-# `!reason\n` just before the sandbox ends because the episode broke the protocol.
+# -- what both zygotes share: the reset between runs or episodes, the raw syscalls it needs, and the
+# relaying of frames between pipes with splice(2) (the zygotes: sandbox/_launcher_session.py and
+# sandbox/_launcher_oneshot.py)
 
 PR_SET_DUMPABLE = 4
 KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR, KEYCTL_LINK, KEYCTL_GET_PERSISTENT = 1, 7, 8, 22
@@ -336,7 +201,6 @@ SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
 SYS_IOPRIO_GET = {"x86_64": 252, "aarch64": 31}
 IOPRIO_WHO_PROCESS = 1
 RESET_DEADLINE_S = 1.5
-READY_FRAME_CAP = 64
 HEADER_DIGITS = 12
 RESET_BUDGET = {"inodes": 1024, "bytes": 64 << 20, "ipc": 64}
 """The most a run or episode may leave for its sandbox's reset to undo: files and directories on the
@@ -600,14 +464,6 @@ def reset(clean: Job, lib: Any) -> None:
             raise RuntimeError(f"the sandbox's {key} changed")
 
 
-def reap_children(signum: int, frame: object) -> None:
-    """As PID 1 the zygote inherits every orphan of the episode: reap them, or zombies would pile up
-    against the process limit."""
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
-
-
 def start_fresh(lib: Any) -> None:
     """What a forked run or episode process does first, so that it starts as a new sandbox's would."""
     # A session of its own, so an autogroup of its own: the kernel shares an autogroup's nice value
@@ -632,39 +488,6 @@ def exec_fresh(command: list[str], mode: str, config: str, *fds: int) -> None:
     for fd in fds:
         os.set_inheritable(fd, True)
     os.execv(command[0], [*command, mode, config, *map(str, fds)])
-
-
-def fork_repl(
-    limits: Job, host_fds: tuple[int, int], lib: Any, fresh: list[str] | None
-) -> tuple[int, int, int]:
-    """Fork one episode's interpreter (which execs `fresh`, a new one, when given); returns the
-    zygote's ends of its pipes (to it, from it) and a pidfd of it."""
-    request_read, request_write = os.pipe()
-    reply_read, reply_write = os.pipe()
-    # Until the pidfd is open, the child must not be reaped by `reap_children` (its pid could be reused).
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-            for fd in (*host_fds, request_write, reply_read):
-                os.close(fd)
-            start_fresh(lib)
-            if fresh is not None:  # a new interpreter: a hash secret and an address layout of its own
-                exec_fresh(fresh, "repl", json.dumps(limits), request_read, reply_write)
-            repl(limits, request_read, reply_write)
-            status = 0
-        finally:
-            os._exit(status)
-    try:
-        pidfd = os.pidfd_open(pid)
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-    os.close(request_read)
-    os.close(reply_write)
-    return request_write, reply_read, pidfd
 
 
 def wait_readable(source: int, pidfd: int) -> bool:
@@ -728,269 +551,6 @@ def pass_on(
     write_all(target, memoryview(HEADER_BUFFER)[start : start + extra])
     HEADER_BUFFER[:] = bytes(len(HEADER_BUFFER))
     splice_exactly(source, target, size - extra, pidfd)
-
-
-def relay_reply(source: int, target: int, pidfd: int, cap: int) -> None:
-    """Pass one reply frame from the episode's interpreter to the host: the header is checked (a
-    decimal size within `cap`), the payload passed on unread. Raise EOFError if the interpreter died,
-    ProtocolViolationError if the episode wrote something else."""
-    header, start, extra = read_header(source, pidfd)
-    if not header.isdigit() or len(header) > HEADER_DIGITS:
-        raise ProtocolViolationError("a malformed reply header")
-    size = int(header)
-    if size > cap:
-        raise ProtocolViolationError(f"a reply of {size} bytes, over the {cap}-byte cap of this call")
-    pass_on(target, header, start, extra, size, source, pidfd)
-
-
-def session(config: Job, status_fd: int) -> None:
-    """The zygote: runs no user code itself, forks one interpreter per episode, relays its frames,
-    and on `reset` kills the episode's processes and wipes what it could have changed. Any failure to
-    restore a clean state exits: a sandbox is reused only when the reset fully succeeded.
-    `config`: the episodes' `limits`, and whether each gets a `fresh` interpreter (exec'd)."""
-    limits = config["limits"]
-    fresh = own_command() if config["fresh"] else None
-    lib = libc()
-    if lib.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError("prctl(PR_SET_DUMPABLE) failed")
-    # Only as PID 1 is the zygote the sole holder of the host's pipes, so only then may it hand the
-    # sandbox to another episode (Docker runs one container per session and never asks to reset).
-    recyclable = os.getpid() == 1
-    signal.signal(signal.SIGCHLD, reap_children)
-    host_in, host_out, clean = take_host_pipes(status_fd, lib)
-    status = 0
-    try:
-        to_repl, from_repl, pidfd = fork_repl(limits, (host_in, host_out), lib, fresh)
-        relay_reply(from_repl, host_out, pidfd, READY_FRAME_CAP)
-        while True:
-            try:
-                header, start, extra = read_header(host_in, None)
-            except EOFError:
-                break
-            if header == b"reset":
-                if not recyclable:
-                    raise RuntimeError("a zygote that is not PID 1 cannot reset its sandbox")
-                for fd in (to_repl, from_repl, pidfd):
-                    os.close(fd)
-                reset(clean, lib)
-                to_repl, from_repl, pidfd = fork_repl(limits, (host_in, host_out), lib, fresh)
-                relay_reply(from_repl, host_out, pidfd, READY_FRAME_CAP)
-                continue
-            size, cap = (int(field) for field in header.split())
-            pass_on(to_repl, b"%d" % size, start, extra, size, host_in, None)
-            relay_reply(from_repl, host_out, pidfd, cap)
-    except ProtocolViolationError as violation:
-        with contextlib.suppress(OSError):
-            write_all(host_out, b"!%s\n" % str(violation).encode())
-        status = 1
-    except BaseException:
-        traceback.print_exc()
-        status = 1
-    # Take the episode's processes down with us (the host sees EOF once every holder of the pipes is
-    # gone; as PID 1, our exit alone ends the namespace).
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(-1, signal.SIGKILL)
-    os._exit(status)
-
-
-# -- the one-shot zygote: one sandbox serves many runs, each in a freshly forked process ----------------
-#
-# As the session zygote, it is PID 1, non-dumpable and the only process holding the host's pipes, and
-# it never reads what a run sends or writes: the job and the output move with splice(2). The next run's
-# process is forked ahead of time (the modules snippets use already imported), so a run costs a fork's
-# copy-on-write pages, not an interpreter start. A run's stdout and stderr are pipes of the zygote,
-# relayed as typed frames; once the run's process has exited the zygote kills every other process of
-# the sandbox, relays what is left in the pipes and only then sends the exit frame, so a run's output
-# is complete and nothing of it can follow. Then it resets the sandbox (`reset`, as between sessions:
-# processes, files, IPC, keyrings, and its own limits and the network namespace checked) and forks the
-# next process; a sandbox it cannot reset ends with a `!reason` line.
-#
-# Host -> zygote: `SIZE\n` + SIZE bytes (a job, relayed unread to the waiting process).
-# Zygote -> host: `r\n` (ready for a job); `1 SIZE\n` or `2 SIZE\n` + SIZE bytes (the run's stdout or
-# stderr); `x CODE STARTED RESET\n` (the run is over: its exit code or minus the signal that killed it,
-# 1 if it reached the user's code, and 1 if the zygote resets the sandbox now, 0 if the run left more
-# than a reset undoes and the zygote ends instead); `!reason\n` (the zygote gives up and the sandbox
-# ends).
-
-
-class Run:
-    """A forked run process waiting for its job, and the zygote's ends of its pipes."""
-
-    def __init__(self, pid: int, job: int, out: int, err: int, status: int) -> None:
-        self.pid, self.job, self.out, self.err, self.status = pid, job, out, err, status
-
-
-def fork_run(lib: Any, fresh: list[str] | None, preload: tuple[str, ...]) -> Run:
-    """Fork the next run's process; it waits for its job (the modules it needs are loaded), or first
-    execs `fresh`, a new interpreter that loads them itself."""
-    job_read, job_write = os.pipe()
-    out_read, out_write = os.pipe()
-    err_read, err_write = os.pipe()
-    status_read, status_write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            replace_fd(os.open(os.devnull, os.O_RDONLY), 0)
-            os.dup2(out_write, 1)
-            os.dup2(err_write, 2)
-            # Nothing of the zygote's (the host's pipes, the other runs' ends) may reach the code.
-            low, high = sorted((job_read, status_write))
-            os.closerange(3, low)
-            os.closerange(low + 1, high)
-            os.closerange(high + 1, 1 << 20)
-            start_fresh(lib)
-            # POSIX message queues outlive the run in the IPC namespace and cannot be listed: none.
-            resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
-            if fresh is not None:  # a new interpreter: a hash secret and an address layout of its own
-                exec_fresh(fresh, "run", json.dumps(preload), job_read, status_write)
-            serve_job(job_read, status_write)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(1)
-    for fd in (job_read, out_write, err_write, status_write):
-        os.close(fd)
-    os.set_blocking(status_read, False)
-    return Run(pid, job_write, out_read, err_read, status_read)
-
-
-def serve_job(job_read: int, status_write: int) -> None:
-    """Wait for the run's job and become its program; exit quietly if the zygote ends first."""
-    job = read_frame(job_read)
-    if job is None:
-        os._exit(0)
-    os.close(job_read)
-    run_job(job, status_write)
-
-
-def pending_bytes(fd: int) -> int:
-    """Bytes waiting in a pipe (FIONREAD)."""
-    import fcntl
-    import termios
-
-    return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, bytes(4)), sys.byteorder, signed=True)
-
-
-def relay_output(source: int, tag: bytes, target: int) -> bool:
-    """Pass what waits in a run's output pipe to the host as one frame; False if nothing waits."""
-    size = pending_bytes(source)
-    if size <= 0:
-        return False
-    write_all(target, b"%s %d\n" % (tag, size))
-    splice_exactly(source, target, size)
-    return True
-
-
-def reap_run(pid: int) -> int | None:
-    """Reap every child that has exited; the run's exit code once its process is among them."""
-    code = None
-    with contextlib.suppress(ChildProcessError):
-        while True:
-            found, status = os.waitpid(-1, os.WNOHANG)
-            if found == 0:
-                break
-            if found == pid:
-                code = os.waitstatus_to_exitcode(status)
-    return code
-
-
-def serve_run(
-    run: Run,
-    job_header: tuple[bytes, int, int],
-    host_in: int,
-    host_out: int,
-    wake: int,
-    clean: Job | None,
-    lib: Any,
-) -> bool:
-    """Hand the job to the run's process, relay its output until it exits, end every other process of
-    the sandbox, relay what is left, and send the exit frame. True if the sandbox may then be reset
-    (`clean`: its snapshot, None where it is never reset); False if the run left more than a reset
-    may cost (the frame says so, and the host discards the sandbox)."""
-    import select
-
-    header, start, extra = job_header
-    pass_on(run.job, header, start, extra, int(header), host_in, None)
-    os.close(run.job)
-    tags = {run.out: b"1", run.err: b"2"}
-    poller = select.poll()
-    for fd in (*tags, wake):
-        poller.register(fd, select.POLLIN)
-    code = None
-    while code is None:
-        for fd, events in poller.poll():
-            if fd == wake:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(wake, 4096)
-                code = reap_run(run.pid)
-            elif not (events & select.POLLIN and relay_output(fd, tags[fd], host_out)):
-                poller.unregister(fd)  # closed by every writer, and empty
-    kill_all()  # nothing of the run may outlive it, or write after its exit frame
-    for fd, tag in tags.items():
-        while relay_output(fd, tag, host_out):
-            pass
-        os.close(fd)
-    try:
-        started = os.read(run.status, 1) == b"R"
-    except BlockingIOError:
-        started = False
-    os.close(run.status)
-    resettable = clean is not None and over_budget(clean, lib) is None
-    write_all(host_out, b"x %d %d %d\n" % (code, started, resettable))
-    return resettable
-
-
-def oneshot_zygote(status_fd: int, config: Job) -> None:
-    """The one-shot zygote: serves runs one after another, each in a fresh process forked from it, and
-    resets the sandbox after each. Anything it cannot restore ends the sandbox (`!reason`, exit), and
-    so does a run that left more than a reset may undo. `config`: the modules to `preload`, and
-    whether each run gets a `fresh` interpreter (exec'd by its forked process)."""
-    preload = tuple(config["preload"])
-    fresh = own_command() if config["fresh"] else None
-    lib = libc()
-    if lib.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError("prctl(PR_SET_DUMPABLE) failed")
-    # Only as PID 1 is the zygote the sole holder of the host's pipes and the reaper of every process
-    # of the sandbox; otherwise it serves one run and exits.
-    recyclable = os.getpid() == 1
-    for name in preload:
-        __import__(name)
-    import gc
-
-    # What the zygote holds is shared with every run's process until written: keep the collector from
-    # walking (and so copying) it in each of them.
-    gc.freeze()
-    wake_read, wake_write = os.pipe()
-    for fd in (wake_read, wake_write):
-        os.set_blocking(fd, False)
-    signal.set_wakeup_fd(wake_write)  # SIGCHLD wakes the relay loop's poll
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    host_in, host_out, clean = take_host_pipes(status_fd, lib)
-    status = 0
-    try:
-        while True:
-            run = fork_run(lib, fresh, preload)
-            write_all(host_out, b"r\n")
-            try:
-                header = read_header(host_in, None)
-            except EOFError:
-                break  # the host discarded this sandbox
-            if not header[0].isdigit() or len(header[0]) > HEADER_DIGITS:
-                raise RuntimeError("a malformed job header from the host")
-            if not serve_run(run, header, host_in, host_out, wake_read, clean if recyclable else None, lib):
-                break
-            reset(clean, lib)
-    except BaseException as error:
-        traceback.print_exc()
-        reason = f"{type(error).__name__}: {error}".replace("\n", " ")[:200]
-        with contextlib.suppress(OSError):
-            write_all(host_out, b"!%s\n" % reason.encode())
-        status = 1
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(-1, signal.SIGKILL)
-    os._exit(status)
 
 
 # -- the `unshare` fallback: build the sandbox's root ourselves (bubblewrap does this otherwise) -------
@@ -1145,32 +705,3 @@ def close_inherited_fds(keep: int) -> None:
         os.closerange(keep + 1, 1 << 20)
     else:
         os.closerange(3, 1 << 20)
-
-
-def fresh_run(preload: list[str], job_read: int, status_write: int) -> None:
-    """A run's fresh interpreter (exec'd by its forked process): load what a forked run would find
-    loaded, then serve the job as a forked run does."""
-    for name in preload:
-        __import__(name)
-    serve_job(job_read, status_write)
-
-
-if __name__ == "__main__":
-    mode = sys.argv[1]
-    if mode == "run":  # argv: run PRELOAD_JSON JOB_FD STATUS_FD (exec'd by a run's forked process)
-        fresh_run(json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
-    elif mode == "repl":  # argv: repl LIMITS_JSON REQUEST_FD REPLY_FD (exec'd by an episode's process)
-        repl(json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
-        os._exit(0)
-    else:
-        # argv: MODE STATUS_FD CONFIG_JSON [ROOT_SPEC_JSON]. STATUS_FD is -1 where the host needs no
-        # start signal; CONFIG_JSON is the zygote's (a session's limits, or the modules a one-shot
-        # zygote imports, and whether runs get fresh interpreters); ROOT_SPEC_JSON is given only by the
-        # `unshare` fallback (bubblewrap builds the root itself).
-        close_inherited_fds(int(sys.argv[2]))
-        if len(sys.argv) > 4:
-            setup_root(json.loads(sys.argv[4]))
-        if mode == "session":
-            session(json.loads(sys.argv[3]), int(sys.argv[2]))
-        else:
-            oneshot_zygote(int(sys.argv[2]), json.loads(sys.argv[3]))

@@ -18,8 +18,12 @@ from sandbox.limits import Limits
 from sandbox.request import ExecRequest
 from sandbox.result import ExecResult, ExecStatus, OutputCapture
 
-LAUNCHER_SOURCE = resources.files("sandbox").joinpath("_launcher.py").read_text()
-"""The launcher's source, passed with `python3 -I -c` so no sandbox needs a copy of it."""
+LAUNCHER_SOURCE = "".join(
+    resources.files("sandbox").joinpath(part).read_text()
+    for part in ("_launcher.py", "_launcher_session.py", "_launcher_oneshot.py")
+)
+"""The launcher's source, passed with `python3 -I -c` so no sandbox needs a copy of it: its parts
+joined in this order (the last ends with the entry point; see sandbox/_launcher.py)."""
 PRELOAD = (
     "bisect",
     "collections",
