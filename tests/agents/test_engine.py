@@ -15,10 +15,9 @@ from agents.engine.embedded import (
     EmbeddedEngine,
     EmbeddedEngineConfig,
     _GateRecorder,
-    _packable,
-    _SlotCache,
 )
 from agents.engine.protocol import FinishReason, SamplingParams
+from agents.engine.slot_cache import SlotCache, packable
 from tests.agents.helpers import reference_greedy, tiny_moe
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
@@ -313,7 +312,7 @@ def test_slot_cache_keeps_every_rows_keys_through_joins_leaves_shifts_and_growth
     them right), decode for long enough that the columns run out (they move to the front and the
     buffers grow), and leave from the middle (the last row moves into the slot). Throughout, each row
     attends to exactly its own keys, in order."""
-    cache = _SlotCache(num_layers=1, max_rows=4, device=torch.device("cpu"))
+    cache = SlotCache(num_layers=1, max_rows=4, device=torch.device("cpu"))
     fed: dict[int, list[float]] = {}  # request -> the keys it was fed, in order (key = a unique number)
     slots: list[int] = []  # the request in each slot
     counter = iter(range(1, 1_000_000))
@@ -433,7 +432,7 @@ async def test_the_engine_runs_its_attention_only_while_it_steps() -> None:
     """The engine switches the model to its attention function while its worker steps: afterwards the
     model computes as before, through its own attention."""
     model = tiny_moe()
-    assert _packable(model)
+    assert packable(model)
     before = model.config._attn_implementation
     prompt = [4, 5, 6, 7]
     with torch.no_grad():
@@ -451,7 +450,7 @@ async def test_a_model_the_engine_cannot_pack_runs_prefill_and_decode_forwards()
     runs the model's own attention (a prefill forward, then a decode forward per step) and matches
     plain generation, whose window is shorter than the sequences."""
     model = tiny_moe(use_sliding_window=True, sliding_window=6, max_window_layers=0)
-    assert not _packable(model)
+    assert not packable(model)
     engine = EmbeddedEngine(model, config=EmbeddedEngineConfig(max_batch=4))
     prompts = [[5 + i % 7] * (2 + 3 * i) for i in range(8)]
     lengths = [3 + 2 * (i % 4) for i in range(8)]

@@ -20,14 +20,12 @@ import torch
 
 from agents.engine.embedded import ContextOverflowError, EmbeddedEngine
 from agents.engine.protocol import FinishReason, Generation, SamplingParams
-from agents.engine.sglang import (
-    SGLangEngine,
-    SGLangOptions,
+from agents.engine.sglang import SGLangEngine, SGLangOptions, launch_command
+from agents.engine.sglang_protocol import (
     SGLangProtocolError,
     SGLangRequestError,
     SGLangUnavailable,
-    _token_versions,
-    launch_command,
+    token_versions,
 )
 from agents.models import layout_of
 from pacerl.cli import main
@@ -90,7 +88,7 @@ async def test_a_resumed_segment_asks_for_the_routes_of_new_positions_only(stand
             bodies.append(json.loads(request.content))
 
     client = standin.client(**LAYOUT)
-    client._client = httpx.AsyncClient(event_hooks={"request": [record]})
+    client._transport.client = httpx.AsyncClient(event_hooks={"request": [record]})
     first = await client.generate(
         prompt, SamplingParams(max_new_tokens=4, temperature=0), return_routed_experts=True
     )
@@ -257,7 +255,7 @@ async def test_invalid_input_fails_before_any_request(tmp_path: Path) -> None:
     async def record(request: httpx.Request) -> None:
         sent.append(request)
 
-    client._client = httpx.AsyncClient(event_hooks={"request": [record]})
+    client._transport.client = httpx.AsyncClient(event_hooks={"request": [record]})
     cases: list[tuple[object, str]] = [
         (client.generate([], GREEDY), "input_ids is empty"),
         (client.generate([1, -2], GREEDY), "non-negative ints"),
@@ -344,11 +342,11 @@ async def test_routes_asked_of_a_server_without_the_flag(tmp_path: Path) -> None
 
 def test_token_versions_follow_the_server() -> None:
     spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
-    assert _token_versions({"weight_versions": spans, "weight_version": "4"}, 5, 0, "u") == (3, 3, 4, 4, 4)
-    assert _token_versions({"weight_version": "7"}, 2, 0, "u") == (7, 7)
-    assert _token_versions({"weight_version": "default"}, 3, 5, "u") == (5, 5, 5)  # not an int: the client's
+    assert token_versions({"weight_versions": spans, "weight_version": "4"}, 5, 0, "u") == (3, 3, 4, 4, 4)
+    assert token_versions({"weight_version": "7"}, 2, 0, "u") == (7, 7)
+    assert token_versions({"weight_version": "default"}, 3, 5, "u") == (5, 5, 5)  # not an int: the client's
     with pytest.raises(SGLangProtocolError, match="cover 5 of 6"):
-        _token_versions({"weight_versions": spans}, 6, 0, "u")
+        token_versions({"weight_versions": spans}, 6, 0, "u")
 
 
 class _ExecCalledError(Exception):

@@ -9,7 +9,8 @@ import pytest
 
 from agents.engine.embedded import EmbeddedEngine
 from agents.engine.protocol import SamplingParams
-from agents.engine.sglang import SGLangEngine, SGLangOptions, SGLangRequestError
+from agents.engine.sglang import SGLangEngine, SGLangOptions
+from agents.engine.sglang_protocol import SGLangRequestError
 from tests.agents.helpers import tiny_moe
 from tests.helpers import ThreadServer, record_http_requests
 from tests.sglang_standin import create_standin_app

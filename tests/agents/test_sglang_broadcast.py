@@ -22,7 +22,8 @@ import torch
 
 from agents.engine.embedded import EmbeddedEngine
 from agents.engine.protocol import FinishReason, SamplingParams
-from agents.engine.sglang import SGLangEngine, SGLangOptions, SGLangRequestError, SGLangUnavailable
+from agents.engine.sglang import SGLangEngine, SGLangOptions
+from agents.engine.sglang_protocol import SGLangRequestError, SGLangUnavailable
 from agents.engine.weight_group import WeightBroadcastGroup, describe
 from agents.models import load_model
 from pacerl.config import config_from_dict
@@ -52,7 +53,7 @@ def record(client: SGLangEngine) -> list[tuple[str, Any]]:
     async def hook(request: httpx.Request) -> None:
         sent.append((request.url.path, json.loads(request.content) if request.content else None))
 
-    client._client = httpx.AsyncClient(event_hooks={"request": [hook]})
+    client._transport.client = httpx.AsyncClient(event_hooks={"request": [hook]})
     return sent
 
 

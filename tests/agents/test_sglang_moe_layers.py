@@ -23,13 +23,9 @@ from transformers import AutoConfig, PreTrainedModel
 
 from agents.engine.embedded import EmbeddedEngine
 from agents.engine.protocol import SamplingParams
-from agents.engine.sglang import (
-    SGLangEngine,
-    SGLangLayoutError,
-    SGLangOptions,
-    SGLangProtocolError,
-    routed_layers,
-)
+from agents.engine.sglang import SGLangEngine, SGLangOptions
+from agents.engine.sglang_layout import SGLangLayoutError, routed_layers
+from agents.engine.sglang_protocol import SGLangProtocolError
 from agents.models import MOE_FAMILIES, load_model, moe_info, save_model
 from agents.rollout import RolloutConfig, RolloutDriver
 from agents.tokenizer import tiny_tokenizer
@@ -188,7 +184,7 @@ async def test_r3_through_sglang_refuses_a_qwen_moe_with_dense_layers(
     message = rf"SGLang 0\.5\.23 builds layers \[0, 1\] of this {family}.*{knob}.*MoE layers are \[1\]"
     with standin(model, tmp_path / "ckpt", as_sglang_builds(model)) as url:
         client = SGLangEngine(SGLangOptions(url=url))
-        client._client = httpx.AsyncClient(event_hooks={"request": [record]})
+        client._transport.client = httpx.AsyncClient(event_hooks={"request": [record]})
         with pytest.raises(SGLangLayoutError, match=message):
             await client.generate([5, 6, 7], GREEDY, return_routed_experts=True)
         await client.aclose()
