@@ -181,12 +181,12 @@ NAMED_MUTANTS: dict[str, Named] = {
         [("scores = weights(module, logits, chosen)", "scores = weights(module, logits, live)")],
     ),
     "SAT's threshold for later updates taken at the proximal weights": Named(
-        "trainer/learner.py",
+        "trainer/update_step.py",
         [("if proximal is not None and not moved:", "if proximal is not None:")],
         (f"{_UPDATES}::test_each_later_update_takes_sats_quantile_at_its_own_weights",),
     ),
     "sequence-mean losses divided by the token count": Named(
-        "trainer/learner.py",
+        "trainer/update_step.py",
         [(_DENOMINATOR, "denominator = float(tokens)")],
         (f"{_UPDATES}::test_the_accumulated_gradient_divides_by_the_batchs_sequences_or_tokens_by_hand",),
     ),
