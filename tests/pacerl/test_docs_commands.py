@@ -1,7 +1,7 @@
 """The commands and imports the README and docs/ show still work: every `pacerl ...` command in a code
 block parses with the real command-line parser, the `key=value` overrides of a run's commands are keys
-of the run config with values of the right type, and every `from <project module> import names` in a
-Python block imports. Synopsis lines (`[optional]`, `a|b`, `...`) show a shape, not a command, and are
+of the run config with values of the right type, every `from <project module> import names` in a
+Python block imports, and every module, name and file of the project the pages cite exists. Synopsis lines (`[optional]`, `a|b`, `...`) show a shape, not a command, and are
 left out; the test counts what it checked, so a parser that stopped finding commands fails it."""
 
 from __future__ import annotations
@@ -131,3 +131,62 @@ def test_a_shown_import_imports(page: str, module: str, names: list[str]) -> Non
     imported = importlib.import_module(module)
     missing = [name for name in names if not hasattr(imported, name)]
     assert not missing, f"{page}: `from {module} import ...` has no {missing}"
+
+
+_DOTTED = re.compile(r"`((?:sandbox|envs|agents|trainer|pacerl)(?:\.\w+)*\.(?!py`|md`|toml`|json`)\w+)`")
+
+
+def shown_names() -> list[tuple[str, str]]:
+    """(page, dotted name) of every `package.module[.attribute]` the pages name in code spans."""
+    return sorted(
+        {
+            (page.name, m.group(1))
+            for page in PAGES
+            for m in _DOTTED.finditer(page.read_text(encoding="utf-8"))
+        }
+    )
+
+
+def resolves(dotted: str) -> bool:
+    """Whether `dotted` names a module of the project, or an attribute (a class, function, constant,
+    field) reached from the longest importable module prefix."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            fields = getattr(found, "__dataclass_fields__", {})
+            if part in fields:  # a config field: its type is where the next part lives
+                found = fields[part].type if cut < len(parts) - 1 else fields[part]
+                continue
+            if not hasattr(found, part):
+                return False
+            found = getattr(found, part)
+        return True
+    return False
+
+
+def test_names_the_pages_cite_exist() -> None:
+    names = shown_names()
+    assert len(names) >= 20
+    missing = [f"{page}: {name}" for page, name in names if not resolves(name)]
+    assert not missing, missing
+    assert not resolves("agents.evaluation.no_such_module") and not resolves("pacerl.cli.no_such_function")
+
+
+_PATH = re.compile(r"`((?:sandbox|envs|agents|trainer|pacerl|tests|benchmarks|configs|docs)/[\w./-]*\w)`")
+_ENV_ID = re.compile(r"-v\d+$")
+OTHER_PROJECTS = {"docs/en/algorithms/grpo_series.md"}
+"""Paths the pages cite in other projects' repositories (AReaL's docs)."""
+
+
+def test_files_the_pages_cite_exist() -> None:
+    cited = {
+        (page.name, m.group(1)) for page in PAGES for m in _PATH.finditer(page.read_text(encoding="utf-8"))
+    }
+    assert len(cited) >= 50
+    files = {(page, path) for page, path in cited if not _ENV_ID.search(path) and path not in OTHER_PROJECTS}
+    missing = sorted(f"{page}: {path}" for page, path in files if not (ROOT / path).exists())
+    assert not missing, missing
