@@ -14,13 +14,16 @@ backend; a run costs a write and the code's own run time, no call to the daemon.
 back to the warm pool only once its zygote confirmed the reset, and only where this host can read
 the container's cgroup (its CPU time and OOM kills are then counted per run); a run the host had to
 end (timeout, CPU, flood), a run that left more than a reset may undo, or a reset that failed gets
-the container removed, never reused.
+the container removed, never reused. The pool and a run's host side are shared with the local
+backend (sandbox/_warm_pool.py); this module says what a container is to them.
 
 Sessions: PID 1 only waits and reaps, and the session launcher runs through `docker exec`; each
-session (one episode) gets a container of its own, removed after it.
+session (one episode) gets a container of its own, removed after it. A session's calls are shared
+with the local backend too (sandbox/_box_session.py).
 
 The docker SDK is blocking, so its calls run on a small thread pool owned by the backend. The exec
-streams do not: they are "hijacked" HTTP connections opened here with asyncio, so the multiplexed
+streams do not: they are "hijacked" HTTP connections opened with asyncio (sandbox/_docker_stream.py),
+so the multiplexed
 stdout/stderr are read on the event loop, capped as they arrive, and no bytes the HTTP layer might
 have buffered are lost.
 
@@ -31,59 +34,34 @@ call after the daemon returns reconnects and rebuilds the pool.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import functools
-import json
 import os
 import socket
 import threading
 import time
 import uuid
 import warnings
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import docker
 from docker.errors import DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig
 
-from sandbox._cgroup import ContainerCgroup, SessionCpuWatch, cpu_budget, cpus_available
-from sandbox._handover import hand_over, wait_in_line
+from sandbox import _protocol as protocol
+from sandbox._box_session import BoxSession, read_ready
+from sandbox._cgroup import ContainerCgroup, SessionCpuWatch, cpus_available
+from sandbox._docker_stream import ExecStream, parse_address
 from sandbox._hide_proc import HIDE_PROC_EXIT, HIDE_PROC_FAILED
-from sandbox._protocol import (
-    DIED_NOTICE,
-    LAUNCHER_SOURCE,
-    MASKED_DIRS,
-    MASKED_FILES,
-    PRELOAD,
-    READY_CAP,
-    RESTART_NOTICE,
-    SANDBOX_ENV,
-    SESSION_GRACE_S,
-    WORK_DIR,
-    SandboxProtocolError,
-    UidPool,
-    ZygoteFrames,
-    decode_ready,
-    decode_reply,
-    frame_size,
-    oneshot_config,
-    reply_cap,
-    session_config,
-    session_message,
-    session_result,
-)
+from sandbox._warm_pool import WarmPool, cpu_reason
 from sandbox.image import DEFAULT_IMAGE, IDLE_COMMAND, PYTHON, ensure_image
 from sandbox.limits import Limits
-from sandbox.request import ExecRequest
-from sandbox.result import ExecResult, ExecStatus, OutputCapture, classify_exit
+from sandbox.result import ExecResult, ExecStatus, OutputCapture
 
 T = TypeVar("T")
 
@@ -101,10 +79,7 @@ _EXEC_FAILED = "OCI runtime exec failed"
 """What the daemon writes to an exec's output when runc cannot start its process."""
 _HIDE_PROC_SOURCE = resources.files("sandbox").joinpath("_hide_proc.py").read_text()
 """Run ahead of the launcher when `DockerOptions.hide_proc` (see sandbox/_hide_proc.py)."""
-_STREAM_CHUNK = 65536
-_MAX_RUNS = 256
-"""One-shot runs one container serves before it is replaced (bounds what a slow leak could accumulate)."""
-_RESET_TIMEOUT_S = 2.0
+_MEMORY_REASON = "memory limit exceeded (the container's memory cap)"
 _DOCKER_MASKED_PATHS = (
     "/proc/asound",
     "/proc/acpi",
@@ -137,7 +112,7 @@ class DockerOptions:
     idle_oneshot: int = 16
     """Containers reset after a one-shot run kept waiting (at least `warm_pool`): a burst of concurrent
     runs starts this many, and the next burst finds them ready."""
-    preload: tuple[str, ...] = PRELOAD
+    preload: tuple[str, ...] = protocol.PRELOAD
     """Modules a one-shot container's zygote imports, so that the runs forked from it find them loaded."""
     fresh_interpreter: bool = False
     """Give each one-shot run an interpreter of its own, exec'd by its forked process (its own string-
@@ -209,7 +184,7 @@ class _Shape:
             network_mode="none",
             read_only=True,
             tmpfs={
-                WORK_DIR: tmpfs,
+                protocol.WORK_DIR: tmpfs,
                 "/tmp": tmpfs,
                 # As Docker's own /dev/shm (noexec, the same size), but owned by the container's user.
                 "/dev/shm": tmpfs.replace(",exec,", ",noexec,"),
@@ -228,82 +203,8 @@ class _Shape:
             log_config=LogConfig(type="none"),
         )
         # Docker's own masked paths, and the sandboxes' (the API takes one list, which replaces Docker's).
-        config["MaskedPaths"] = [*_DOCKER_MASKED_PATHS, *MASKED_FILES, *MASKED_DIRS]
+        config["MaskedPaths"] = [*_DOCKER_MASKED_PATHS, *protocol.MASKED_FILES, *protocol.MASKED_DIRS]
         return config
-
-
-class _ExecStream:
-    """The hijacked connection of one `docker exec` or container attach: our bytes to its stdin, its
-    stdout/stderr back.
-
-    Docker multiplexes the two output streams with 8-byte headers (stream id, 3 zero bytes, size as
-    big-endian uint32); `read_chunk` undoes that without ever holding more than one chunk.
-    """
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
-        self._stream_id = 0
-        self._remaining = 0
-
-    @classmethod
-    async def open(cls, address: tuple[str, str, int], path: str, body: bytes) -> _ExecStream:
-        """POST `body` to `path` (an exec's start, a container's attach) and keep the upgraded connection."""
-        scheme, host, port = address
-        if scheme == "unix":
-            reader, writer = await asyncio.open_unix_connection(host)
-        else:
-            reader, writer = await asyncio.open_connection(host, port)
-        try:
-            writer.write(
-                f"POST {path} HTTP/1.1\r\nHost: docker\r\n"
-                f"Content-Type: application/json\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-            await writer.drain()
-            status = (await reader.readline()).split(maxsplit=2)
-            headers: dict[str, str] = {}
-            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                name, _, value = line.decode("latin-1").partition(":")
-                headers[name.strip().lower()] = value.strip()
-            if len(status) < 2 or status[1] not in (b"101", b"200"):
-                detail = await reader.read(int(headers.get("content-length", "0")) or 2000)
-                raise DockerException(f"{path} failed: {b' '.join(status[1:]).decode()} {detail.decode()}")
-        except BaseException:
-            writer.close()
-            raise
-        return cls(reader, writer)
-
-    async def send(self, data: bytes) -> None:
-        self._writer.write(data)
-        await self._writer.drain()
-
-    async def read_chunk(self) -> tuple[int, bytes] | None:
-        """(stream id, bytes) with 1 = stdout and 2 = stderr; None at the end of the stream."""
-        while self._remaining == 0:
-            try:
-                header = await self._reader.readexactly(8)
-            except asyncio.IncompleteReadError as error:
-                if error.partial:
-                    raise EOFError("the Docker stream ended inside a frame header") from error
-                return None
-            self._stream_id, self._remaining = header[0], int.from_bytes(header[4:8], "big")
-        chunk = await self._reader.read(min(self._remaining, _STREAM_CHUNK))
-        if not chunk:
-            raise EOFError("the Docker stream ended inside a frame")
-        self._remaining -= len(chunk)
-        return self._stream_id, chunk
-
-    @property
-    def is_open(self) -> bool:
-        """False once the daemon closed the connection (the exec ended or the daemon went away)."""
-        return (
-            not self._reader.at_eof() and self._reader.exception() is None and not self._writer.is_closing()
-        )
-
-    def close(self) -> None:
-        self._writer.close()
 
 
 class _Box:
@@ -316,20 +217,67 @@ class _Box:
         self.since = since
         """Wall-clock time just before the container was created (where its events start)."""
         self.exec_id = ""
-        self.stream: _ExecStream | None = None
+        self.stream: ExecStream | None = None
         self.cgroup: ContainerCgroup | None = None
         """The container's cgroup files on this host (its CPU time and freezer), where readable."""
-        self.frames = ZygoteFrames()
+        self.frames = protocol.ZygoteFrames()
         """What a one-shot zygote wrote on stdout, parsed (its control frames, a run's output)."""
         self.stderr = OutputCapture(4096)
-        """What the zygote itself wrote on stderr (why it failed, if it did)."""
+        """What the launcher itself wrote on stderr (why it failed, if it did)."""
+        self._stdout = bytearray()
+        """A session's stdout read ahead of the frame being parsed."""
         self.runs = 0
-        self.recyclable = False
+        self.counted = False
         """This host reads the container's CPU time and OOM kills, so they can be counted per run."""
+        self.busy = False
+        """A session call was sent and its reply not read back."""
+        self.idle_tasks: int | None = None
+        """Tasks of the idle session: more between calls means the episode left something running."""
+        self._frozen = False
 
     @property
-    def ready(self) -> bool:
+    def alive(self) -> bool:
+        """The launcher's stream is open (the daemon has not closed it: its process lives)."""
         return self.stream is not None and self.stream.is_open
+
+    @property
+    def usable(self) -> bool:
+        return self.alive and not (self.cgroup is not None and self.cgroup.gone())
+
+    @property
+    def recyclable(self) -> bool:
+        return self.alive and self.counted
+
+    async def send(self, data: bytes) -> None:
+        assert self.stream is not None
+        await self.stream.send(data)
+
+    async def _more(self) -> None:
+        """Read one chunk of the stream: stderr into `stderr`, stdout ahead into `_stdout`."""
+        assert self.stream is not None
+        item = await self.stream.read_chunk()
+        if item is None:
+            raise EOFError("the sandbox closed its output")
+        stream_id, chunk = item
+        if stream_id == 2:
+            self.stderr.feed(chunk)
+        else:
+            self._stdout += chunk
+
+    async def read_frame(self, cap: int) -> bytes:
+        """One frame's payload; SandboxProtocolError for a bad header or one over `cap` bytes."""
+        while b"\n" not in self._stdout:
+            if len(self._stdout) > 256:
+                raise protocol.SandboxProtocolError("malformed frame header from the sandbox")
+            await self._more()
+        header, _, rest = bytes(self._stdout).partition(b"\n")
+        size = protocol.frame_size(header, cap)
+        self._stdout = bytearray(rest)
+        while len(self._stdout) < size:
+            await self._more()
+        payload = bytes(self._stdout[:size])
+        del self._stdout[:size]
+        return payload
 
     async def read_frames(self, until: Callable[[], bool]) -> bool:
         """Feed the one-shot zygote's output to `frames` until `until()` holds; False if the stream
@@ -346,16 +294,43 @@ class _Box:
                 self.frames.feed(chunk)
         return True
 
+    async def wait_ready(self, within_s: float) -> bool:
+        with contextlib.suppress(TimeoutError, protocol.SandboxProtocolError, *_FAILURES):
+            return await asyncio.wait_for(self.read_frames(lambda: self.frames.ready), within_s)
+        return False
 
-class DockerBackend:
+    def stderr_text(self) -> str:
+        return self.stderr.text().strip()
+
+    def pause(self) -> None:
+        """Freeze the container until the next call if the episode left anything running in it, so
+        nothing uses CPU or acts between calls (where this host exposes its freezer)."""
+        cgroup, idle = self.cgroup, self.idle_tasks
+        if cgroup is None or cgroup.freeze_file is None or idle is None:
+            return
+        tasks = cgroup.tasks()
+        if tasks is not None and tasks > idle:
+            cgroup.freeze()
+            self._frozen = True
+
+    def resume(self) -> None:
+        if self._frozen and self.cgroup is not None:
+            self.cgroup.thaw()
+            self._frozen = False
+
+
+class DockerBackend(WarmPool[_Shape, _Box]):
     """Runs code in Docker containers: one-shot runs in warm ones reset between runs, sessions in one each."""
 
     name = "docker"
+    _failures = _FAILURES
+    _start_failures = (*_FAILURES, TimeoutError)
 
     def __init__(self, options: DockerOptions | None = None) -> None:
         self.options = options or DockerOptions()
+        super().__init__(self.options.max_concurrency, min(self.options.cpus, cpus_available()))
         self._url = self.options.base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-        self._address = _parse_address(self._url)
+        self._address = parse_address(self._url)
         self._labels = {LABEL: "1", BACKEND_LABEL: uuid.uuid4().hex, OWNER_LABEL: _this_process()}
         # Nothing here talks to the daemon: a backend made while dockerd is down works once it is back.
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -365,29 +340,17 @@ class DockerBackend:
         self._client_lock = threading.Lock()
         self._image_lock = threading.Lock()
         self._uids = (
-            UidPool(self.options.uid_base, self.options.uid_count) if self.options.user is None else None
+            protocol.UidPool(self.options.uid_base, self.options.uid_count)
+            if self.options.user is None
+            else None
         )
-        self._slots = asyncio.Semaphore(self.options.max_concurrency)
-        self._warm: list[_Box] = []
         self._pool_shape = _Shape.of(Limits())
+        """The shape the pool keeps warm: the latest run's (containers of other shapes are trimmed)."""
         self._starting: list[tuple[_Shape, asyncio.Task[_Box]]] = []
         """Pool boxes being started, not yet claimed by a run."""
-        self._lent: dict[_Shape, int] = {}
-        """Boxes in a run, per shape (they count toward the pool: most come back)."""
-        self._returning: dict[_Shape, int] = {}
-        """Boxes whose reset is in flight, per shape."""
-        self._waiting: dict[_Shape, deque[asyncio.Future[_Box | None]]] = {}
-        """Runs waiting for a resetting box, first come first served."""
-        self._resets: set[asyncio.Task[None]] = set()
-        self.recycled = 0
-        """Containers reset and returned to the warm pool after a run (a counter, for tests)."""
-        self.discards: collections.Counter[str] = collections.Counter()
-        """Containers removed after a run that ended by itself, by reason: `litter` (the run left more
-        than a reset may undo, `RESET_BUDGET` in sandbox/_launcher.py). A counter, for tests."""
         self._removing: set[asyncio.Task[None]] = set()
         self._sessions: set[DockerSession] = set()
         self._created_any = False
-        self._closed = False
         self._close_task: asyncio.Task[None] | None = None
 
     @property
@@ -436,12 +399,12 @@ class DockerBackend:
         command = list(IDLE_COMMAND)
         if zygote:
             command = [self.options.python, "-I", "-c", self._launcher, "oneshot", "-1"]
-            command.append(oneshot_config(self.options.preload, self.options.fresh_interpreter))
+            command.append(protocol.oneshot_config(self.options.preload, self.options.fresh_interpreter))
         config = {
             "command": command,
             "user": user,
-            "working_dir": WORK_DIR,
-            "environment": SANDBOX_ENV,
+            "working_dir": protocol.WORK_DIR,
+            "environment": protocol.SANDBOX_ENV,
             "hostname": "sandbox",
             "labels": self._labels,
             "host_config": shape.host_config(api, self.options.cpus, owner),
@@ -475,7 +438,11 @@ class DockerBackend:
 
     @property
     def _launcher(self) -> str:
-        return _HIDE_PROC_SOURCE + LAUNCHER_SOURCE if self.options.hide_proc else LAUNCHER_SOURCE
+        return (
+            _HIDE_PROC_SOURCE + protocol.LAUNCHER_SOURCE
+            if self.options.hide_proc
+            else protocol.LAUNCHER_SOURCE
+        )
 
     def _oom_killed(self, box: _Box) -> bool:
         """Whether the cgroup's OOM killer struck in this container (docker only flags OOMKilled on
@@ -526,12 +493,12 @@ class DockerBackend:
         try:
             path = f"/v{self._client.api.api_version}/containers/{container_id}/attach"
             path += "?stream=1&stdin=1&stdout=1&stderr=1"
-            box.stream = await _ExecStream.open(self._address, path, b"")
+            box.stream = await ExecStream.open(self._address, path, b"")
             await self._call(self._start_container, container_id)
             box.cgroup = ContainerCgroup.find(container_id)
-            box.recyclable = box.cgroup is not None and box.cgroup.oom_kills() is not None
+            box.counted = box.cgroup is not None and box.cgroup.oom_kills() is not None
         except BaseException:
-            self._dispose(box)
+            self._discard(box)
             raise
         return box
 
@@ -543,13 +510,19 @@ class DockerBackend:
         try:
             command = [self.options.python, "-I", "-c", self._launcher, *launcher_args]
             created_exec = await self._api_call(
-                "exec_create", container_id, command, stdin=True, stdout=True, stderr=True, workdir=WORK_DIR
+                "exec_create",
+                container_id,
+                command,
+                stdin=True,
+                stdout=True,
+                stderr=True,
+                workdir=protocol.WORK_DIR,
             )
             box.exec_id = created_exec["Id"]
             path = f"/v{self._client.api.api_version}/exec/{box.exec_id}/start"
-            box.stream = await _ExecStream.open(self._address, path, b'{"Detach": false, "Tty": false}')
+            box.stream = await ExecStream.open(self._address, path, b'{"Detach": false, "Tty": false}')
         except BaseException:
-            self._dispose(box)
+            self._discard(box)
             raise
         return box
 
@@ -557,13 +530,13 @@ class DockerBackend:
         if created.cancelled() or created.exception() is not None:
             self._give_uid(uid)
         else:
-            self._dispose(_Box(created.result(), self._pool_shape, uid))
+            self._discard(_Box(created.result(), self._pool_shape, uid))
 
     def _give_uid(self, uid: int | None) -> None:
         if uid is not None and self._uids is not None:
             self._uids.give(uid)
 
-    def _dispose(self, box: _Box) -> None:
+    def _discard(self, box: _Box) -> None:
         """Close the box's stream and remove its container in the background (aclose waits for it)."""
         _thaw(box)
         if box.stream is not None:
@@ -589,10 +562,6 @@ class DockerBackend:
         stats = await self._api_call("stats", box.id, stream=False, one_shot=True)
         return int(stats["cpu_stats"]["cpu_usage"]["total_usage"]) / 1e9
 
-    @property
-    def _cpus(self) -> float:
-        return min(self.options.cpus, cpus_available())
-
     async def _kill(self, box: _Box) -> bool:
         """Kill the container now (its processes die with its PID 1); False if the daemon did not answer."""
         # Close our end first: a daemon blocked writing output nobody reads would hold the kill up
@@ -606,9 +575,22 @@ class DockerBackend:
             return False
         return True
 
-    def _refill(self) -> None:
+    # -- the warm pool (sandbox/_warm_pool.py keeps it; these say what a container is) ------------------
+
+    def _pool_size(self, key: _Shape) -> int:
+        return self.options.warm_pool
+
+    def _idle_cap(self, key: _Shape) -> int:
+        return max(self.options.warm_pool, self.options.idle_oneshot)
+
+    def _coming(self, key: _Shape) -> int:
+        # A reset takes milliseconds, a new container hundreds of them; a run claims a container
+        # already starting for the pool (`_start_for_run`) rather than wait in line for it.
+        return self._returning.get(key, 0)
+
+    def _refill(self, key: _Shape | None = None) -> None:
         """Start boxes until those of the wanted shape (warm, starting, in a run or resetting) make
-        `warm_pool`.
+        `warm_pool`. The pool follows `_pool_shape`, whatever the shape of the box that asks (`key`).
 
         A start that fails is dropped silently: the next run then starts cold, reports the failure,
         and calls this again. No task loops here, so a dead daemon costs one failed call per slot.
@@ -616,7 +598,7 @@ class DockerBackend:
         if self._closed:
             return
         shape = self._pool_shape
-        have = sum(box.shape == shape for box in self._warm) + sum(s == shape for s, _ in self._starting)
+        have = len(self._warm.get(shape, [])) + sum(s == shape for s, _ in self._starting)
         have += self._lent.get(shape, 0) + self._returning.get(shape, 0)
         for _ in range(self.options.warm_pool - have):
             task = asyncio.get_running_loop().create_task(self._start_zygote(shape))
@@ -631,120 +613,51 @@ class DockerBackend:
         self._starting.remove(entry)
         if task.cancelled() or task.exception() is not None:
             return
-        self._put_ready(task.result())
+        self._put_ready(entry[0], task.result())
 
-    def _put_ready(self, box: _Box) -> None:
-        """A box ready for a job: to the first run waiting for its shape, else into the pool (removed
-        when the pool already holds `idle_oneshot` of its shape)."""
-        if hand_over(self._waiting.get(box.shape, deque()), box):
-            return
-        same = sum(other.shape == box.shape for other in self._warm)
-        if self._closed or same >= max(self.options.warm_pool, self.options.idle_oneshot):
-            self._dispose(box)
-            return
-        self._warm.append(box)
+    def _put_ready(self, key: _Shape, box: _Box) -> None:
+        super()._put_ready(key, box)
         self._trim()
 
     def _trim(self) -> None:
         """Dispose of warm boxes of shapes no run asks for any more, beyond the pool's size."""
         shape = self._pool_shape
-        while len(self._warm) + len(self._starting) > self.options.warm_pool:
-            stale = next((box for box in self._warm if box.shape != shape), None)
+        while sum(map(len, self._warm.values())) + len(self._starting) > self.options.warm_pool:
+            stale = next((pool for key, pool in self._warm.items() if key != shape and pool), None)
             if stale is None:
                 return
-            self._warm.remove(stale)
-            self._dispose(stale)
+            self._discard(stale.pop(0))
 
     def _discard_warm(self) -> None:
-        warm, self._warm = self._warm, []
-        for box in warm:
-            self._dispose(box)
+        warm, self._warm = self._warm, {}
+        for pool in warm.values():
+            for box in pool:
+                self._discard(box)
 
-    async def _take_box(self, limits: Limits) -> _Box:
-        """A box for one run, counted as lent (a run's box returns to the pool unless `_end_run` says
-        otherwise): a warm one, else one about to finish its reset, else one starting, else a new one."""
-        shape = _Shape.of(limits)
-        self._pool_shape = shape  # the pool follows what runs ask for
-        self._lent[shape] = self._lent.get(shape, 0) + 1
-        try:
-            return await self._find_box(shape)
-        except BaseException:
-            self._lent[shape] -= 1
-            raise
+    async def _take_for_run(self, key: _Shape) -> _Box:
+        self._pool_shape = key  # the pool follows what runs ask for
+        box = await asyncio.wait_for(self._take(key), self.options.api_timeout_s * 2)
+        self._refill()
+        return box
 
-    async def _find_box(self, shape: _Shape) -> _Box:
-        while True:
-            for box in [box for box in reversed(self._warm) if box.shape == shape]:
-                self._warm.remove(box)  # the most recently reset first: still hot in the caches
-                if box.ready and not (box.cgroup is not None and box.cgroup.gone()):
-                    self._refill()
-                    return box
-                self._dispose(box)
-            waiting = self._waiting.setdefault(shape, deque())
-            if self._returning.get(shape, 0) <= len(waiting):
-                break
-            # A reset takes milliseconds, a new container hundreds of them: wait for the reset.
-            handed = await wait_in_line(waiting, self._put_ready)
-            if handed is not None:
-                return handed
-            if self._closed:
-                raise RuntimeError("this sandbox is closed")
+    async def _start_for_run(self, key: _Shape) -> _Box:
         # No warm box: claim one already starting for the pool rather than start yet another, which
         # would only compete with it for the daemon's time.
-        claimed = next((entry for entry in self._starting if entry[0] == shape), None)
+        claimed = next((entry for entry in self._starting if entry[0] == key), None)
         if claimed is not None:
             self._starting.remove(claimed)
         self._refill()
         if claimed is None:
-            return await self._start_zygote(shape)
+            return await self._start_zygote(key)
         try:
             return await asyncio.shield(claimed[1])
         except asyncio.CancelledError:
-            claimed[1].add_done_callback(self._dispose_started)
+            claimed[1].add_done_callback(self._discard_started)
             raise
 
-    def _dispose_started(self, task: asyncio.Task[_Box]) -> None:
+    def _discard_started(self, task: asyncio.Task[_Box]) -> None:
         if not task.cancelled() and task.exception() is None:
-            self._dispose(task.result())
-
-    def _end_run(self, box: _Box, reusable: bool) -> None:
-        """After a run: a box whose run ended by itself goes back once its zygote confirms the reset (in
-        the background), where this host can count its CPU time and OOM kills per run; any other is
-        removed and replaced."""
-        self._lent[box.shape] -= 1
-        if (
-            reusable
-            and not self._closed
-            and self.options.warm_pool > 0
-            and box.runs < _MAX_RUNS
-            and box.ready
-            and box.recyclable
-        ):
-            box.runs += 1
-            self._returning[box.shape] = self._returning.get(box.shape, 0) + 1
-            task = asyncio.get_running_loop().create_task(self._await_reset(box))
-            self._resets.add(task)
-            task.add_done_callback(self._resets.discard)
-        else:
-            self._dispose(box)
-        self._refill()
-
-    async def _await_reset(self, box: _Box) -> None:
-        ready = False
-        try:
-            with contextlib.suppress(TimeoutError, SandboxProtocolError, *_FAILURES):
-                ready = await asyncio.wait_for(box.read_frames(lambda: box.frames.ready), _RESET_TIMEOUT_S)
-        finally:
-            self._returning[box.shape] -= 1
-            if ready and not self._closed:
-                self.recycled += 1
-                self._put_ready(box)
-            else:
-                self._dispose(box)
-                # A run waiting for this box starts another instead (which joins the pool after its
-                # run); only without one does the pool start a replacement.
-                if not hand_over(self._waiting.get(box.shape, deque()), None):
-                    self._refill()
+            self._discard(task.result())
 
     def _unreachable(self, what: str, error: BaseException) -> str:
         detail = str(error).strip() or type(error).__name__
@@ -757,154 +670,52 @@ class DockerBackend:
             )
         return f"{what}: {detail[:600]}"
 
-    # -- one-shot runs -------------------------------------------------------------------------------
+    # -- one-shot runs: sandbox/_warm_pool.py runs them, these say what a container is ----------------
 
-    async def run(self, request: ExecRequest) -> ExecResult:
-        """Run one program in a clean container (fresh, or reset after an earlier run) and report it."""
-        if self._closed:
-            raise RuntimeError("this sandbox is closed")
-        async with self._slots:
-            began = time.monotonic()
-            try:
-                box = await asyncio.wait_for(self._take_box(request.limits), self.options.api_timeout_s * 2)
-            except (*_FAILURES, TimeoutError) as error:
-                self._discard_warm()
-                reason = self._unreachable("could not start a Docker sandbox", error)
-                return ExecResult.sandbox_error(reason, time.monotonic() - began)
-            reusable = False
-            try:
-                result, reusable = await self._run_in(box, request)
-                return result
-            finally:
-                self._end_run(box, reusable)
+    def _oneshot_key(self, limits: Limits) -> _Shape:
+        return _Shape.of(limits)
 
-    async def _run_in(self, box: _Box, request: ExecRequest) -> tuple[ExecResult, bool]:
-        """The run's result, and whether it ended by itself (its box may then be reset and reused)."""
-        assert box.stream is not None
-        limits = request.limits
-        frames = box.frames
-        out, err = OutputCapture(limits.output_cap_bytes), OutputCapture(limits.output_cap_bytes)
-        started = time.monotonic()
-        deadline = started + limits.timeout_s
-        failure: BaseException | None = None
-        try:  # a new container's zygote says it is ready once it has forked the run's process
-            up = await asyncio.wait_for(box.read_frames(lambda: frames.ready), limits.timeout_s)
-        except (TimeoutError, SandboxProtocolError, *_FAILURES) as error:
-            up, failure = False, error
-        if not up:
-            await self._kill(box)
-            detail = box.stderr.text().strip()
-            if detail.startswith(HIDE_PROC_FAILED):
-                return ExecResult.sandbox_error(f"{detail[-500:]} (see DockerOptions.hide_proc)"), False
-            if not await self._daemon_answers():
-                cause = failure or EOFError("the container's stream ended")
-                return ExecResult.sandbox_error(self._unreachable("the Docker sandbox failed", cause)), False
-            detail = frames.failure or detail or str(failure or "")
-            return ExecResult.sandbox_error(f"the sandbox failed to start: {detail[-500:]}"), False
-        job = json.dumps(request.to_wire()).encode()
+    def _could_not_start(self, error: BaseException, duration: float) -> ExecResult:
+        self._discard_warm()
+        return ExecResult.sandbox_error(
+            self._unreachable("could not start a Docker sandbox", error), duration
+        )
+
+    async def _failed_start(self, box: _Box, failure: BaseException | None) -> ExecResult:
+        await self._kill(box)
+        detail = box.stderr_text()
+        if detail.startswith(HIDE_PROC_FAILED):
+            return ExecResult.sandbox_error(f"{detail[-500:]} (see DockerOptions.hide_proc)")
+        if not await self._answers():
+            return self._lost(failure, 0.0)
+        detail = box.frames.failure or detail or str(failure or "")
+        return ExecResult.sandbox_error(f"the sandbox failed to start: {detail[-500:]}")
+
+    async def _run_marks(self, box: _Box, limits: Limits) -> tuple[float, int | None] | ExecResult:
         # Without the container's cgroup file the daemon's stats cost a round trip: count from zero
         # then (such a container serves this run alone).
         try:
             cpu_start = box.cgroup.cpu_s() if box.cgroup is not None else 0.0
         except OSError as error:  # the container died after it was taken (a daemon that stopped)
             await self._kill(box)
-            return ExecResult.sandbox_error(self._unreachable("the Docker sandbox failed", error)), False
-        oom_start = box.cgroup.oom_kills() if box.cgroup is not None else None
+            return self._lost(error, 0.0)
+        return cpu_start, box.cgroup.oom_kills() if box.cgroup is not None else None
 
-        async def used() -> float:
-            return await self._cpu_s(box) - cpu_start
+    async def _end(self, box: _Box) -> BaseException | None:
+        return None if await self._kill(box) else TimeoutError("the container could not be killed")
 
-        def over() -> bool:
-            return out.total + err.total > limits.output_kill_bytes
-
-        frames.begin(out, err)
-        pump = asyncio.ensure_future(box.read_frames(lambda: frames.exit is not None or over()))
-        cpu_spent = asyncio.ensure_future(
-            cpu_budget(used, limits.effective_cpu_s, self._cpus, read_first=False)
-        )
-        with contextlib.suppress(*_FAILURES):  # a stream that broke: the pump sees its end
-            await box.stream.send(b"%d\n" % len(job) + job)
-        await asyncio.wait(
-            {pump, cpu_spent}, timeout=max(0.0, deadline - time.monotonic()), return_when="FIRST_COMPLETED"
-        )
-        out_of_cpu = cpu_spent.done() and not pump.done()
-        cpu_spent.cancel()
-        if not pump.done():
-            pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, *_FAILURES, SandboxProtocolError):
-                await pump
-        if not pump.cancelled():
-            failure = pump.exception()
-        ended = not pump.cancelled() and failure is None and not pump.result()
-        if frames.exit is not None and not over():
-            code, reached, resettable = frames.exit
-            result, ended_itself = await self._exited(
-                box, code, reached, out, err, time.monotonic() - started, oom_start
-            )
-            if ended_itself and not resettable:
-                self.discards["litter"] += 1
-            return result, ended_itself and resettable
-        # Ended from here (or dead): the container goes.
-        killed = await self._kill(box)
-        duration = time.monotonic() - started
-        if over():
-            reason = "output limit exceeded"
-            return ExecResult.captured(ExecStatus.OUTPUT_LIMIT, None, out, err, duration, reason), False
-        if isinstance(failure, SandboxProtocolError):
-            return ExecResult.sandbox_error(f"{failure}; the sandbox was ended", duration), False
-        if ended or failure is not None:  # the stream ended before the run's exit frame
-            with contextlib.suppress(*_FAILURES):
-                if await self._oom_since(box, oom_start, pid1_died=True):
-                    reason = "memory limit exceeded (the container's memory cap)"
-                    return ExecResult.captured(ExecStatus.MEMORY, None, out, err, duration, reason), False
-            if not killed or not await self._daemon_answers():
-                cause = failure or EOFError("the container's stream ended")
-                return ExecResult.sandbox_error(
-                    self._unreachable("the Docker sandbox failed", cause), duration
-                ), False
-            detail = (frames.failure or box.stderr.text().strip() or str(failure or ""))[-500:]
-            return ExecResult.sandbox_error(f"the sandbox ended during the run: {detail}", duration), False
-        if not killed:
-            cause = TimeoutError("the container could not be killed")
-            return ExecResult.sandbox_error(
-                self._unreachable("the Docker sandbox failed", cause), duration
-            ), False
-        if out_of_cpu:
-            reason = f"CPU-time limit of {limits.effective_cpu_s} s exceeded (all processes together)"
-            return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason), False
-        reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded"
-        return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason), False
-
-    async def _exited(
-        self,
-        box: _Box,
-        exit_code: int,
-        reached: bool,
-        out: OutputCapture,
-        err: OutputCapture,
-        duration: float,
-        oom_start: int | None,
-    ) -> tuple[ExecResult, bool]:
-        """The result of a run whose process exited (the zygote's exit frame)."""
-        if exit_code == HIDE_PROC_EXIT and err.text().startswith(HIDE_PROC_FAILED):
+    def _exit_refused(self, code: int, err: OutputCapture, duration: float) -> ExecResult | None:
+        if code == HIDE_PROC_EXIT and err.text().startswith(HIDE_PROC_FAILED):
             reason = f"{err.text().strip()[-500:]} (see DockerOptions.hide_proc)"
-            return ExecResult.sandbox_error(reason, duration), False
-        if not reached:  # the forked process failed before the user's code began
-            return ExecResult.sandbox_error(
-                f"the sandbox failed to start: {err.text().strip()[-500:]}", duration
-            ), False
-        status, reason = classify_exit(exit_code, err.text())
-        if status is not ExecStatus.OK:
-            try:
-                oom = await self._oom_since(box, oom_start, pid1_died=False, killed=exit_code == -9)
-            except _FAILURES as error:
-                return ExecResult.sandbox_error(
-                    self._unreachable("the Docker sandbox failed", error), duration
-                ), False
-            if oom:
-                reason = "memory limit exceeded (the container's memory cap)"
-                return ExecResult.captured(ExecStatus.MEMORY, exit_code, out, err, duration, reason), True
-        return ExecResult.captured(status, exit_code, out, err, duration, reason), True
+            return ExecResult.sandbox_error(reason, duration)
+        return None
+
+    def _memory_reason(self, limits: Limits) -> str:
+        return _MEMORY_REASON
+
+    def _lost(self, cause: BaseException | None, duration: float) -> ExecResult:
+        cause = cause or EOFError("the container's stream ended")
+        return ExecResult.sandbox_error(self._unreachable("the Docker sandbox failed", cause), duration)
 
     async def _oom_since(self, box: _Box, start: int | None, *, pid1_died: bool, killed: bool = True) -> bool:
         """Whether the container's OOM killer struck during this run: from its cgroup's counter where
@@ -936,7 +747,7 @@ class DockerBackend:
         self._sessions.add(session)
         return session
 
-    async def _daemon_answers(self) -> bool:
+    async def _answers(self) -> bool:
         try:
             await asyncio.wait_for(self._api_call("ping"), 5)
         except (*_FAILURES, TimeoutError):
@@ -957,10 +768,7 @@ class DockerBackend:
         for task in [*starting, *self._resets]:
             task.cancel()
         await asyncio.gather(*starting, *self._resets, return_exceptions=True)
-        for waiting in self._waiting.values():
-            for future in waiting:
-                if not future.done():
-                    future.set_result(None)
+        self._wake_all()
         for session in list(self._sessions):
             await session.aclose()
         self._discard_warm()
@@ -997,7 +805,7 @@ class DockerBackend:
         return left
 
 
-class DockerSession:
+class DockerSession(BoxSession[_Box]):
     """A live Python interpreter in one container; globals survive between calls.
 
     Timeouts work as in the local backend: an in-sandbox SIGALRM interrupts a runaway cell and the
@@ -1005,33 +813,27 @@ class DockerSession:
     call starts a fresh one, saying so in stderr. `reset` and a restart get a new container.
     """
 
+    _failures = _FAILURES
+
     def __init__(self, backend: DockerBackend, limits: Limits) -> None:
+        super().__init__(backend._slots, limits)
         self._backend = backend
-        self.limits = limits
-        self._box: _Box | None = None
-        self._stdout = bytearray()
-        self._stderr = OutputCapture(4096)
-        self._lost_state = False
-        self._lock = asyncio.Lock()
-        self._cpu: SessionCpuWatch | None = None
-        self._idle_tasks: int | None = None
-        self._frozen = False
 
     async def start(self) -> None:
-        self._stdout, self._stderr = bytearray(), OutputCapture(4096)
-        self._box = await self._backend._start_box(
-            _Shape.of(self.limits), "session", "-1", session_config(self.limits, False)
+        backend = self._backend
+        box = await backend._start_box(
+            _Shape.of(self.limits), "session", "-1", protocol.session_config(self.limits, False)
         )
+        self._box = box
         try:
-            decode_ready(await asyncio.wait_for(self._read_frame(READY_CAP), 30))
+            await read_ready(box, 30)
         except BaseException as error:
-            self._backend._dispose(self._box)
+            backend._discard(box)
             self._box = None
-            if isinstance(error, EOFError | ValueError | SandboxProtocolError):
-                detail = f"{error}: {self._stderr.text()[-500:]}"
+            if isinstance(error, EOFError | ValueError | protocol.SandboxProtocolError):
+                detail = f"{error}: {box.stderr.text()[-500:]}"
                 raise RuntimeError(f"sandbox session failed to start: {detail}") from error
             raise
-        box, backend = self._box, self._backend
 
         async def used() -> float:
             return await backend._cpu_s(box)
@@ -1041,140 +843,50 @@ class DockerSession:
 
         self._cpu = SessionCpuWatch(used, backend._cpus, end)
         await self._cpu.start_window(self.limits.effective_cpu_s)
-        # Tasks of an idle session: more between calls means the episode left something running.
-        self._idle_tasks = box.cgroup.tasks() if box.cgroup is not None else None
-        self._frozen = False
+        box.idle_tasks = box.cgroup.tasks() if box.cgroup is not None else None
 
-    async def _more(self) -> None:
-        assert self._box is not None and self._box.stream is not None
-        item = await self._box.stream.read_chunk()
-        if item is None:
-            raise EOFError("the sandbox closed its output")
-        stream_id, chunk = item
-        if stream_id == 2:
-            self._stderr.feed(chunk)
-        else:
-            self._stdout += chunk
-
-    async def _read_frame(self, cap: int) -> bytes:
-        """One frame's payload; SandboxProtocolError for a bad header or one over `cap` bytes."""
-        while b"\n" not in self._stdout:
-            if len(self._stdout) > 256:
-                raise SandboxProtocolError("malformed frame header from the sandbox")
-            await self._more()
-        header, _, rest = bytes(self._stdout).partition(b"\n")
-        size = frame_size(header, cap)
-        self._stdout = bytearray(rest)
-        while len(self._stdout) < size:
-            await self._more()
-        payload = bytes(self._stdout[:size])
-        del self._stdout[:size]
-        return payload
-
-    async def run(self, request: ExecRequest) -> ExecResult:
-        """Run one cell (Python only); the value of a trailing expression is printed."""
-        if request.language != "python":
-            raise ValueError("sessions run python only")
-        if request.files:
-            raise ValueError("sessions take no files; write them from the code")
-        async with self._lock, self._backend._slots:
-            notice = ""
-            if self._box is None or not self._box.ready:
-                if self._box is not None:  # its container went away between calls
-                    self._backend._dispose(self._box)
-                    self._box = None
-                    self._lost_state = True
-                try:
-                    await self.start()
-                except (*_FAILURES, RuntimeError, TimeoutError) as error:
-                    reason = self._backend._unreachable("could not restart the Docker session", error)
-                    return ExecResult.sandbox_error(reason)
-                if self._lost_state:
-                    notice = RESTART_NOTICE
-                    self._lost_state = False
-            return await self._call(request, notice)
-
-    async def _call(self, request: ExecRequest, notice: str) -> ExecResult:
-        assert self._box is not None and self._box.stream is not None
-        limits = request.limits
-        started = time.monotonic()
-        if self._cpu is not None:
-            self._cpu.set_budget(limits.effective_cpu_s)
-        if self._frozen and self._box.cgroup is not None:
-            self._box.cgroup.thaw()
-            self._frozen = False
+    async def _restart(self) -> ExecResult | None:
+        await self._release(reusable=True)  # its container went away: nothing left to kill
         try:
-            await self._box.stream.send(session_message(request))
-            payload = await asyncio.wait_for(
-                self._read_frame(reply_cap(limits)), limits.timeout_s + SESSION_GRACE_S
+            await self.start()
+        except (*_FAILURES, RuntimeError, TimeoutError) as error:
+            return ExecResult.sandbox_error(
+                self._backend._unreachable("could not restart the Docker session", error)
             )
-            reply = decode_reply(payload, limits)
-        except TimeoutError:
-            await self._kill()
-            reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded; the session was restarted"
-            return ExecResult(ExecStatus.TIMEOUT, None, notice, "", time.monotonic() - started, reason)
-        except SandboxProtocolError as error:
-            await self._kill()
-            return ExecResult.sandbox_error(f"{error}; the session was restarted", time.monotonic() - started)
-        except (*_FAILURES, ValueError) as error:
-            box = self._box
-            await self._kill()
-            if not await self._backend._daemon_answers():
-                reason = self._backend._unreachable("the Docker session failed", error)
-                return ExecResult.sandbox_error(reason, time.monotonic() - started)
-            stderr = notice + DIED_NOTICE
-            status, reason = ExecStatus.ERROR, str(error)
-            if self._cpu is not None and self._cpu.exhausted:
-                reason = f"CPU-time limit of {limits.effective_cpu_s} s exceeded (all processes together)"
-                return ExecResult(ExecStatus.TIMEOUT, None, "", stderr, time.monotonic() - started, reason)
-            with contextlib.suppress(*_FAILURES):
-                if await self._backend._call(self._backend._oom_killed, box):
-                    status, reason = ExecStatus.MEMORY, "memory limit exceeded (the container's memory cap)"
-            return ExecResult(status, None, "", stderr, time.monotonic() - started, reason)
-        self._pause(self._box)
-        if self._cpu is not None:
-            with contextlib.suppress(*_FAILURES):
-                await self._cpu.start_window(self.limits.effective_cpu_s)
-        return session_result(reply, limits, notice, time.monotonic() - started)
+        return None
 
-    def _pause(self, box: _Box) -> None:
-        """Freeze the container until the next call if the episode left anything running in it, so
-        nothing uses CPU or acts between calls (where this host exposes its freezer)."""
-        cgroup, idle = box.cgroup, self._idle_tasks
-        if cgroup is None or cgroup.freeze_file is None or idle is None:
-            return
-        tasks = cgroup.tasks()
-        if tasks is not None and tasks > idle:
-            cgroup.freeze()
-            self._frozen = True
-
-    async def _kill(self) -> None:
+    async def _release(self, reusable: bool) -> None:
+        """Remove the container in the background (a session's is never reused); unless `reusable`
+        (a healthy one), kill it first, at once."""
         if self._cpu is not None:
             self._cpu.stop()
-        if self._box is not None:
-            await self._backend._kill(self._box)
-            self._backend._dispose(self._box)
-        self._box = None
-        self._lost_state = True
+        box, self._box = self._box, None
+        if box is not None:
+            if not reusable:
+                await self._backend._kill(box)
+            self._backend._discard(box)
 
-    async def reset(self) -> None:
-        """Forget every variable: a fresh interpreter in a fresh container."""
-        async with self._lock:
-            if self._cpu is not None:
-                self._cpu.stop()
-            if self._box is not None:
-                self._backend._dispose(self._box)
-                self._box = None
-            self._lost_state = False
-            await self.start()
+    async def _died(
+        self, box: _Box, error: BaseException, limits: Limits, notice: str, started: float
+    ) -> ExecResult:
+        await self._kill()
+        if not await self._backend._answers():
+            reason = self._backend._unreachable("the Docker session failed", error)
+            return ExecResult.sandbox_error(reason, time.monotonic() - started)
+        if self._cpu is not None and self._cpu.exhausted:
+            return self._died_result(ExecStatus.TIMEOUT, cpu_reason(limits), notice, started)
+        with contextlib.suppress(*_FAILURES):
+            if await self._backend._call(self._backend._oom_killed, box):
+                return self._died_result(ExecStatus.MEMORY, _MEMORY_REASON, notice, started)
+        return self._died_result(ExecStatus.ERROR, str(error), notice, started)
 
     async def aclose(self) -> None:
         """Remove the session's container (and wait until it is gone). Idempotent."""
         async with self._lock:
             if self._cpu is not None:
                 self._cpu.stop()
-            if self._box is not None:
-                box, self._box = self._box, None
+            box, self._box = self._box, None
+            if box is not None:
                 if box.stream is not None:
                     box.stream.close()
                 await self._backend._remove(box)
@@ -1217,15 +929,3 @@ def _reap_orphans(api: Any) -> None:
             continue
         with contextlib.suppress(*_FAILURES):
             api.remove_container(container["Id"], force=True)
-
-
-def _parse_address(url: str) -> tuple[str, str, int]:
-    """("unix", path, 0) or ("tcp", host, port) for a daemon URL; other schemes are refused."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix" and parts.path:
-        return "unix", parts.path, 0
-    if parts.scheme in ("tcp", "http") and parts.hostname:
-        if os.environ.get("DOCKER_TLS_VERIFY") and not url.startswith("http:"):
-            raise ValueError("the docker sandbox does not support TLS daemon connections (DOCKER_TLS_VERIFY)")
-        return "tcp", parts.hostname, parts.port or 2375
-    raise ValueError(f"unsupported Docker daemon address {url!r}; use unix:///path or tcp://host:port")

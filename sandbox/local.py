@@ -28,12 +28,15 @@ every sandbox of a host that died.
 
 Sessions recycle their sandbox the same way (`LocalOptions.recycle_sessions`): the zygote then forks
 one interpreter per episode and resets the sandbox at the session's close.
+
+The warm pool, a one-shot run's host side and a session's calls are shared with the Docker backend
+(sandbox/_warm_pool.py, sandbox/_box_session.py); this module starts, ends and measures the sandboxes,
+and keeps the pools of session sandboxes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -46,53 +49,41 @@ import stat
 import subprocess
 import sys
 import threading
-import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from sandbox._box_session import BoxSession, read_ready
 from sandbox._cgroup import (
     CgroupTree,
     SandboxCgroup,
     SessionCpuWatch,
     Spawner,
-    cpu_budget,
     cpus_available,
     fallback_bound,
     process_tree_cpu_s,
 )
-from sandbox._handover import hand_over, wait_in_line
 from sandbox._proc import Child, spawn
 from sandbox._protocol import (
-    DIED_NOTICE,
     LAUNCHER_SOURCE,
     MASKED_DIRS,
     MASKED_FILES,
     PRELOAD,
-    READY_CAP,
     RESET_MESSAGE,
-    RESTART_NOTICE,
     SANDBOX_ENV,
-    SESSION_GRACE_S,
     WORK_DIR,
     SandboxProtocolError,
     UidPool,
     ZygoteFrames,
-    decode_ready,
-    decode_reply,
     frame_size,
     oneshot_config,
-    reply_cap,
     session_config,
-    session_message,
-    session_result,
 )
+from sandbox._warm_pool import MAX_RUNS, RESET_TIMEOUT_S, WarmPool, cpu_reason
 from sandbox.limits import Limits
-from sandbox.request import ExecRequest
-from sandbox.result import ExecResult, ExecStatus, OutputCapture, classify_exit
+from sandbox.result import ExecResult, ExecStatus
 
 
 @dataclass(frozen=True)
@@ -285,13 +276,31 @@ class _Box:
         """A session launcher's ready frame has been read (a recycled sandbox answered it at reset)."""
         self.busy = False
         """A session call was sent and its reply not read back: the sandbox is in no state to reuse."""
-        self.episodes = 0
+        self.runs = 0
+        """One-shot runs, or sessions, this sandbox served (`MAX_RUNS` at most)."""
         self._idle_tasks: int | None = None
         self._frozen = False
         self.spawner_left: asyncio.Future[None] | None = None
         """Done once the spawner thread has left this sandbox's cgroup (freezing waits for it)."""
         self.frames = ZygoteFrames()
         """What a one-shot zygote wrote on stdout, parsed (its control frames, a run's output)."""
+
+    @property
+    def alive(self) -> bool:
+        """Its first process (the zygote, or bubblewrap above it) has not exited."""
+        return self.child.alive
+
+    usable = recyclable = alive
+    """A local sandbox that is alive may take a job, and be reset after one (its costs are always
+    counted per run)."""
+
+    async def send(self, data: bytes) -> None:
+        await self.child.write(data)
+
+    async def read_frame(self, cap: int) -> bytes:
+        """One frame's payload; SandboxProtocolError for a bad header or one over `cap` bytes."""
+        size = frame_size(await self.child.read_line(self.child.stdout_fd, limit=256), cap)
+        return await self.child.read_exactly(self.child.stdout_fd, size)
 
     async def read_frames(self, until: Callable[[], bool]) -> bool:
         """Feed the one-shot zygote's stdout to `frames` until `until()` holds; False if the stream
@@ -394,9 +403,6 @@ _PoolKey = tuple[str, str]
 """(launcher mode, limits as JSON) of a warm pool: a warm sandbox's tmpfs size and a session's rlimits
 are fixed when it starts, so each distinct setting has its own pool."""
 _MAX_POOLS = 8
-_MAX_EPISODES = 256
-"""Sessions one sandbox serves before it is replaced (bounds what a slow leak could accumulate)."""
-_RESET_TIMEOUT_S = 2.0
 _START_TIMEOUT_S = 30.0
 """How long a new sandbox's zygote may take to say it is ready (an interpreter start, imports)."""
 
@@ -451,7 +457,7 @@ def _parent_of(pid: int) -> int | None:
     return None
 
 
-class LocalBackend:
+class LocalBackend(WarmPool[_PoolKey, _Box]):
     """Runs code in bubblewrap sandboxes on this machine."""
 
     name = "local"
@@ -460,31 +466,15 @@ class LocalBackend:
         self.options = options or LocalOptions()
         self._bwrap, self._unshare = _find_isolation(self.options)
         self._setpriv = shutil.which("setpriv")
+        super().__init__(self.options.max_concurrency, cpus_available())
         self._uids = UidPool(self.options.uid_base, self.options.uid_count) if os.geteuid() == 0 else None
-        self._slots = asyncio.Semaphore(self.options.max_concurrency)
-        self._warm: dict[_PoolKey, list[_Box]] = {}
         self._filling: dict[_PoolKey, asyncio.Task[None]] = {}
         self._sessions: set[LocalSession] = set()
-        self._lent: dict[_PoolKey, int] = {}
-        """Recyclable sandboxes in use per pool: they count as supply when refilling."""
-        self._returning: dict[_PoolKey, int] = {}
-        """One-shot sandboxes whose reset is in flight, per pool (supply too)."""
-        self._waiting: dict[_PoolKey, deque[asyncio.Future[_Box | None]]] = {}
-        """Runs waiting for a resetting sandbox, first come first served."""
         self._starting: dict[_PoolKey, int] = {}
         """Sandboxes the pool's fill is starting (supply too)."""
-        self._resets: set[asyncio.Task[None]] = set()
         self._closing: set[asyncio.Task[None]] = set()
-        self.recycled = 0
-        """Sandboxes reset and returned to a warm pool after a one-shot run or a session (a counter, for
-        tests and benchmarks)."""
-        self.discards: collections.Counter[str] = collections.Counter()
-        """One-shot sandboxes discarded after a run that ended by itself, by reason: `litter` (the run
-        left more than a reset may undo, `RESET_BUDGET` in sandbox/_launcher.py). A counter, for tests
-        and benchmarks."""
         tree_name = f"pacerl-{os.getpid()}-{secrets.token_hex(4)}"
         self._cgroups = CgroupTree.detect(tree_name) if self.options.cgroups else None
-        self._cpus = cpus_available()
         self._spawner = Spawner(self._cgroups)
         """Starts sandboxes off the event loop, each born inside its own cgroup."""
         self._starts: set[asyncio.Future[tuple[subprocess.Popen[bytes], SandboxCgroup | None]]] = set()
@@ -494,9 +484,8 @@ class LocalBackend:
         folders = [] if self._cgroups is None else [str(path) for path in self._cgroups.folders.values()]
         self._watchdog = _Watchdog(folders)
         self._extra_processes = 1 if self._unshare is not None else 0
-        """Added to a run's RLIMIT_NPROC: under `unshare` the zygote is a process of the sandbox's uid
-        that bubblewrap's (uncounted) outer process is not, so the code keeps the same budget."""
-        self._closed = False
+        """Under `unshare` the zygote is a process of the sandbox's uid that bubblewrap's (uncounted)
+        outer process is not: the code keeps the same budget."""
 
     @property
     def limits_mechanism(self) -> str:
@@ -758,17 +747,16 @@ class LocalBackend:
                 and len(pool) < self._idle_cap(key)
                 and box.child.alive
                 and not box.busy
-                and box.episodes < _MAX_EPISODES
+                and box.runs < MAX_RUNS
             ):
                 with contextlib.suppress(TimeoutError, EOFError, OSError, ValueError, SandboxProtocolError):
                     box.resume()
-                    await box.child.write(RESET_MESSAGE)
-                    ready = await asyncio.wait_for(LocalSession._read_frame(box, READY_CAP), _RESET_TIMEOUT_S)
-                    decode_ready(ready)
+                    await box.send(RESET_MESSAGE)
+                    await read_ready(box, RESET_TIMEOUT_S)
                     pooled = not self._closed and len(pool) < self._idle_cap(key)
             if pooled:
                 assert pool is not None
-                box.episodes += 1
+                box.runs += 1
                 pool.append(box)
                 self.recycled += 1
         finally:
@@ -776,99 +764,19 @@ class LocalBackend:
                 await box.close()
                 self._refill(key)
 
-    # -- one-shot runs -------------------------------------------------------------------------------
+    # -- one-shot runs: sandbox/_warm_pool.py runs them, these say what a local sandbox is -------------
 
-    async def run(self, request: ExecRequest) -> ExecResult:
-        """Run one program in a clean sandbox (fresh, or reset after an earlier run) and report it."""
-        if self._closed:
-            raise RuntimeError("this sandbox is closed")
-        key = _oneshot_key(request.limits)
-        async with self._slots:
-            try:
-                box = await self._take_oneshot(key)
-            except OSError as error:
-                return ExecResult.sandbox_error(f"could not start a sandbox: {error}")
-            reusable = False
-            try:
-                result, reusable = await self._run_in(box, request)
-                return result
-            finally:
-                self._end_oneshot(key, box, reusable)
+    def _oneshot_key(self, limits: Limits) -> _PoolKey:
+        return _oneshot_key(limits)
 
-    async def _take_oneshot(self, key: _PoolKey) -> _Box:
-        """A sandbox for one run: a waiting one, else one about to finish its reset, else a new one."""
-        pool = self._warm.setdefault(key, [])
-        while True:
-            while pool:
-                box = pool.pop()  # the most recently reset: its pages are still hot in the caches
-                if box.child.alive:
-                    self._lent[key] = self._lent.get(key, 0) + 1
-                    return box
-                await box.close()
-            waiting = self._waiting.setdefault(key, deque())
-            if self._returning.get(key, 0) + self._starting.get(key, 0) <= len(waiting):
-                break
-            # A reset takes a few milliseconds, and a sandbox already starting comes sooner than one
-            # started now: on the same CPUs, a second start would only slow both.
-            handed = await wait_in_line(waiting, functools.partial(self._put_ready, key))
-            if handed is not None:
-                self._lent[key] = self._lent.get(key, 0) + 1
-                return handed
-            if self._closed:
-                raise RuntimeError("this sandbox is closed")
-        self._lent[key] = self._lent.get(key, 0) + 1
-        try:
-            return await self._spawn_for(key)
-        except BaseException:
-            self._lent[key] -= 1
-            raise
+    def _coming(self, key: _PoolKey) -> int:
+        return self._returning.get(key, 0) + self._starting.get(key, 0)
 
-    def _put_ready(self, key: _PoolKey, box: _Box) -> None:
-        """A one-shot sandbox ready for a job: to the first waiting run, else into the pool (or killed
-        when the pool is full)."""
-        if hand_over(self._waiting.get(key, deque()), box):
-            return
-        pool = self._warm.setdefault(key, [])
-        if self._closed or len(pool) >= self._idle_cap(key):
-            self._discard(box)
-        else:
-            pool.append(box)
+    async def _start_for_run(self, key: _PoolKey) -> _Box:
+        return await self._spawn_for(key)
 
-    def _end_oneshot(self, key: _PoolKey, box: _Box, reusable: bool) -> None:
-        """After a run: a sandbox whose run ended by itself goes back once its zygote confirms the reset
-        (in the background, off the next run's path); any other is killed and replaced."""
-        self._lent[key] -= 1
-        if (
-            reusable
-            and not self._closed
-            and self.options.warm_pool > 0
-            and box.episodes < _MAX_EPISODES
-            and box.child.alive
-        ):
-            box.episodes += 1
-            self._returning[key] = self._returning.get(key, 0) + 1
-            task = asyncio.get_running_loop().create_task(self._await_reset(key, box))
-            self._resets.add(task)
-            task.add_done_callback(self._resets.discard)
-        else:
-            self._discard(box)
-        self._refill(key)
-
-    async def _await_reset(self, key: _PoolKey, box: _Box) -> None:
-        ready = False
-        try:
-            ready = await box.wait_ready(_RESET_TIMEOUT_S)
-        finally:
-            self._returning[key] -= 1
-            if ready and not self._closed:
-                self.recycled += 1
-                self._put_ready(key, box)
-            else:
-                self._discard(box)
-                # A run waiting for this sandbox starts another instead (which joins the pool after
-                # its run); only without one does the pool start a replacement.
-                if not self._wake_one(key):
-                    self._refill(key)
+    def _could_not_start(self, error: BaseException, duration: float) -> ExecResult:
+        return ExecResult.sandbox_error(f"could not start a sandbox: {error}")
 
     def _discard(self, box: _Box) -> None:
         """Kill a sandbox and release it in the background (`aclose` waits for it)."""
@@ -877,90 +785,31 @@ class LocalBackend:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    def _wake_one(self, key: _PoolKey) -> bool:
-        """Tell the first run waiting for a sandbox of `key` that none is coming for it; False if no
-        run waits."""
-        return hand_over(self._waiting.get(key, deque()), None)
+    async def _end(self, box: _Box) -> BaseException | None:
+        box.kill()
+        with contextlib.suppress(TimeoutError, OSError, SandboxProtocolError):  # what it wrote is still read
+            await asyncio.wait_for(box.read_frames(lambda: False), 5)
+        return None
 
-    async def _run_in(self, box: _Box, request: ExecRequest) -> tuple[ExecResult, bool]:
-        """The run's result, and whether it ended by itself (its sandbox may then be reset and reused)."""
-        limits = request.limits
-        frames = box.frames
-        out, err = OutputCapture(limits.output_cap_bytes), OutputCapture(limits.output_cap_bytes)
-        started = time.monotonic()
-        deadline = started + limits.timeout_s
-        try:  # a new sandbox's zygote says it is ready once it has forked the run's process
-            up = await asyncio.wait_for(box.read_frames(lambda: frames.ready), limits.timeout_s)
-        except (TimeoutError, OSError, SandboxProtocolError) as error:
-            up, frames.failure = False, frames.failure or str(error) or type(error).__name__
-        if not up:
-            box.kill()
-            detail = (frames.failure or box.stderr_text())[-500:]
-            return ExecResult.sandbox_error(f"the sandbox failed to start: {detail}"), False
-        wire = request.to_wire()
-        wire["limits"]["max_processes"] += self._extra_processes
-        job = json.dumps(wire).encode()
+    async def _failed_start(self, box: _Box, failure: BaseException | None) -> ExecResult:
+        box.kill()
+        cause = "" if failure is None else str(failure) or type(failure).__name__
+        detail = (box.frames.failure or cause or box.stderr_text())[-500:]
+        return ExecResult.sandbox_error(f"the sandbox failed to start: {detail}")
+
+    async def _run_marks(self, box: _Box, limits: Limits) -> tuple[float, int | None]:
         if box.cgroup is not None:  # the job's own limits, over every process of the sandbox
             box.cgroup.set_limits(*_cgroup_limits(limits))
-        cpu_start, oom_start = await box.cpu_s(), box.oom_kills()
+        return await box.cpu_s(), box.oom_kills()
 
-        async def used() -> float:
-            return await box.cpu_s() - cpu_start
+    async def _cpu_s(self, box: _Box) -> float:
+        return await box.cpu_s()
 
-        def over() -> bool:
-            return out.total + err.total > limits.output_kill_bytes
+    async def _oom_since(self, box: _Box, start: int | None, *, pid1_died: bool, killed: bool = True) -> bool:
+        return start is not None and box.oom_kills() > start
 
-        frames.begin(out, err)
-        pump = asyncio.ensure_future(box.read_frames(lambda: frames.exit is not None or over()))
-        cpu_spent = asyncio.ensure_future(
-            cpu_budget(used, limits.effective_cpu_s, self._cpus, read_first=False)
-        )
-        with contextlib.suppress(TimeoutError, OSError):  # a dead zygote: the pump sees the end
-            await asyncio.wait_for(box.child.write(b"%d\n" % len(job) + job), limits.timeout_s)
-        await asyncio.wait(
-            {pump, cpu_spent}, timeout=max(0.0, deadline - time.monotonic()), return_when="FIRST_COMPLETED"
-        )
-        out_of_cpu = cpu_spent.done() and not pump.done()
-        cpu_spent.cancel()
-        if not pump.done():  # and wait until it has let go of the pipe, which is read again below
-            pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError, SandboxProtocolError):
-                await pump
-        failure = None if pump.cancelled() else pump.exception()
-        ended = not pump.cancelled() and failure is None and not pump.result()
-        if frames.exit is not None and not over():
-            code, reached, resettable = frames.exit
-            duration = time.monotonic() - started
-            if not reached:  # the forked process failed before the user's code began
-                detail = err.text().strip()[-500:]
-                return ExecResult.sandbox_error(f"the sandbox failed to start: {detail}", duration), False
-            if not resettable:
-                self.discards["litter"] += 1
-            status, reason = classify_exit(code, err.text())
-            if status is not ExecStatus.OK and box.oom_kills() > oom_start:
-                status, reason = ExecStatus.MEMORY, _MEMORY_REASON.format(limits.memory_mb)
-            return ExecResult.captured(status, code, out, err, duration, reason), resettable
-        # Ended from here (or dead): the whole sandbox goes; what it wrote before is still read.
-        box.kill()
-        with contextlib.suppress(TimeoutError, OSError, SandboxProtocolError):
-            await asyncio.wait_for(box.read_frames(lambda: False), 5)
-        duration = time.monotonic() - started
-        if over():
-            reason = "output limit exceeded"
-            return ExecResult.captured(ExecStatus.OUTPUT_LIMIT, None, out, err, duration, reason), False
-        if isinstance(failure, SandboxProtocolError):
-            return ExecResult.sandbox_error(f"{failure}; the sandbox was ended", duration), False
-        if ended or failure is not None:  # the zygote's stream ended before the run's exit frame
-            if box.oom_kills() > oom_start:
-                reason = _MEMORY_REASON.format(limits.memory_mb)
-                return ExecResult.captured(ExecStatus.MEMORY, None, out, err, duration, reason), False
-            detail = (frames.failure or box.stderr_text() or str(failure or ""))[-500:]
-            return ExecResult.sandbox_error(f"the sandbox ended during the run: {detail}", duration), False
-        if out_of_cpu:
-            reason = f"CPU-time limit of {limits.effective_cpu_s} s exceeded (all processes together)"
-            return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason), False
-        reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded"
-        return ExecResult.captured(ExecStatus.TIMEOUT, None, out, err, duration, reason), False
+    def _memory_reason(self, limits: Limits) -> str:
+        return _MEMORY_REASON.format(limits.memory_mb)
 
     # -- sessions --------------------------------------------------------------------------------------
 
@@ -983,10 +832,7 @@ class LocalBackend:
         for reset in list(self._resets):
             reset.cancel()
         await asyncio.gather(*self._resets, return_exceptions=True)
-        for waiting in self._waiting.values():
-            for future in waiting:
-                if not future.done():
-                    future.set_result(None)
+        self._wake_all()
         # Every start already on the spawner thread finishes (a cancelled one's sandbox is discarded as
         # it lands); a later one refuses, as the backend is closed.
         await asyncio.gather(*self._starts, return_exceptions=True)
@@ -1008,21 +854,18 @@ class LocalBackend:
             self._cgroups.remove()  # what still holds exiting processes goes with the next backend's sweep
 
 
-class LocalSession:
+class LocalSession(BoxSession[_Box]):
     """A live Python interpreter in one sandbox; globals survive between calls.
 
     A cell that runs past its timeout is interrupted inside the sandbox (SIGALRM) and the session
     lives on. If the alarm cannot stop it (a C loop, a handler swallowed it) the host kills the whole
     sandbox after a grace period; the next call starts a fresh interpreter and says so in stderr.
+    `reset` gets a clean (fresh or recycled) sandbox.
     """
 
     def __init__(self, backend: LocalBackend, limits: Limits) -> None:
+        super().__init__(backend._slots, limits)
         self._backend = backend
-        self.limits = limits
-        self._box: _Box | None = None
-        self._lost_state = False
-        self._lock = asyncio.Lock()
-        self._cpu: SessionCpuWatch | None = None
         self._oom_kills = 0
 
     async def start(self) -> None:
@@ -1031,7 +874,7 @@ class LocalSession:
         self._backend._lend(key)
         if not self._box.greeted:
             try:
-                decode_ready(await asyncio.wait_for(self._read_frame(self._box, READY_CAP), 30))
+                await read_ready(self._box, 30)
             except (SandboxProtocolError, EOFError) as error:
                 raise RuntimeError(f"sandbox session failed to start: {error}") from None
             self._box.greeted = True
@@ -1041,6 +884,10 @@ class LocalSession:
         await self._cpu.start_window(self.limits.effective_cpu_s)
         await self._box.note_idle()
 
+    async def _restart(self) -> None:
+        await self._release(reusable=False)
+        await self.start()
+
     async def _release(self, reusable: bool) -> None:
         """Hand the sandbox back (recycled if `reusable` and healthy, else killed)."""
         if self._cpu is not None:
@@ -1049,83 +896,21 @@ class LocalSession:
         if box is not None:
             await self._backend._give_back(_session_key(self.limits), box, reusable)
 
-    @staticmethod
-    async def _read_frame(box: _Box, cap: int) -> bytes:
-        """One frame's payload; SandboxProtocolError for a bad header or one over `cap` bytes."""
-        child = box.child
-        size = frame_size(await child.read_line(child.stdout_fd, limit=256), cap)
-        return await child.read_exactly(child.stdout_fd, size)
-
-    async def run(self, request: ExecRequest) -> ExecResult:
-        """Run one cell (Python only); the value of a trailing expression is printed."""
-        if request.language != "python":
-            raise ValueError("sessions run python only")
-        if request.files:
-            raise ValueError("sessions take no files; write them from the code")
-        async with self._lock, self._backend._slots:
-            notice = ""
-            if self._box is None or not self._box.child.alive:
-                if self._box is not None:  # it died between calls (its CPU budget ran out, say)
-                    self._lost_state = True
-                await self._release(reusable=False)
-                await self.start()
-                if self._lost_state:
-                    notice = RESTART_NOTICE
-                    self._lost_state = False
-            assert self._box is not None
-            return await self._call(self._box, request, notice)
-
-    async def _call(self, box: _Box, request: ExecRequest, notice: str) -> ExecResult:
-        limits = request.limits
-        started = time.monotonic()
-        if self._cpu is not None:
-            self._cpu.set_budget(limits.effective_cpu_s)
-        box.resume()
-        try:
-            box.busy = True  # until the reply is read: a cancelled call leaves a frame in flight
-            await box.child.write(session_message(request))
-            payload = await asyncio.wait_for(
-                self._read_frame(box, reply_cap(limits)), limits.timeout_s + SESSION_GRACE_S
-            )
-            reply = decode_reply(payload, limits)
-            box.busy = False
-        except TimeoutError:
-            await self._kill()
-            reason = f"wall-clock limit of {limits.timeout_s:g} s exceeded; the session was restarted"
-            return ExecResult(ExecStatus.TIMEOUT, None, notice, "", time.monotonic() - started, reason)
-        except SandboxProtocolError as error:
-            await self._kill()
-            return ExecResult.sandbox_error(f"{error}; the session was restarted", time.monotonic() - started)
-        except (EOFError, OSError, ValueError) as error:
-            out_of_cpu = self._cpu is not None and self._cpu.exhausted
-            # Compared with the count at the session's start (read only now, off the common path): a
-            # background process killed for memory in an earlier call also counts, as the sandbox
-            # did run out of memory then.
-            out_of_memory = box.oom_kills() > self._oom_kills
-            await self._kill()
-            duration = time.monotonic() - started
-            if out_of_cpu:
-                reason = f"CPU-time limit of {limits.effective_cpu_s} s exceeded (all processes together)"
-                return ExecResult(ExecStatus.TIMEOUT, None, "", notice + DIED_NOTICE, duration, reason)
-            if out_of_memory:
-                reason = _MEMORY_REASON.format(limits.memory_mb)
-                return ExecResult(ExecStatus.MEMORY, None, "", notice + DIED_NOTICE, duration, reason)
-            return ExecResult(ExecStatus.ERROR, None, "", notice + DIED_NOTICE, duration, str(error))
-        box.pause()
-        if self._cpu is not None:
-            await self._cpu.start_window(self.limits.effective_cpu_s)
-        return session_result(reply, limits, notice, time.monotonic() - started)
-
-    async def _kill(self) -> None:
-        await self._release(reusable=False)
-        self._lost_state = True
-
-    async def reset(self) -> None:
-        """Forget every variable: a fresh interpreter in a clean (fresh or recycled) sandbox."""
-        async with self._lock:
-            await self._release(reusable=True)
-            self._lost_state = False
-            await self.start()
+    async def _died(
+        self, box: _Box, error: BaseException, limits: Limits, notice: str, started: float
+    ) -> ExecResult:
+        out_of_cpu = self._cpu is not None and self._cpu.exhausted
+        # Compared with the count at the session's start (read only now, off the common path, and
+        # before the sandbox goes): a background process killed for memory in an earlier call also
+        # counts, as the sandbox did run out of memory then.
+        out_of_memory = box.oom_kills() > self._oom_kills
+        await self._kill()
+        if out_of_cpu:
+            return self._died_result(ExecStatus.TIMEOUT, cpu_reason(limits), notice, started)
+        if out_of_memory:
+            reason = _MEMORY_REASON.format(limits.memory_mb)
+            return self._died_result(ExecStatus.MEMORY, reason, notice, started)
+        return self._died_result(ExecStatus.ERROR, str(error), notice, started)
 
     async def aclose(self) -> None:
         """Release the session's sandbox (recycled when healthy, else killed). Idempotent."""

@@ -211,7 +211,10 @@ def test_warm_containers_are_reset_and_reused_between_runs(open_proc_sandbox: Sa
     open_proc_sandbox.run("print(0)")
     backend = backend_of(open_proc_sandbox)
     deadline = time.monotonic() + 60  # a hang guard: the pool refills in the background
-    while len(warm := [box.id for box in list(backend._warm) if box.ready]) < backend.options.warm_pool:
+    while (
+        len(warm := [box.id for pool in list(backend._warm.values()) for box in list(pool) if box.alive])
+        < backend.options.warm_pool
+    ):
         assert time.monotonic() < deadline, "the warm pool never refilled"
         time.sleep(0.05)
     dirty = (
