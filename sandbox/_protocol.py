@@ -163,7 +163,7 @@ def decode_reply(payload: bytes, limits: Limits) -> dict[str, Any]:
 
 
 class ZygoteFrames:
-    """What a one-shot zygote writes on its stdout (see `oneshot_zygote` in sandbox/_launcher.py),
+    """What a one-shot zygote writes on its stdout (see `oneshot_zygote` in sandbox/_launcher_oneshot.py),
     parsed as it arrives: a run's output goes into the captures of the run in flight, the control
     frames set `ready`, `exit` and `failure`. Anything malformed, or out of turn, raises
     SandboxProtocolError (the host then ends the sandbox)."""
