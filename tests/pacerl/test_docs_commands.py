@@ -1,8 +1,9 @@
 """The commands and imports the README and docs/ show still work: every `pacerl ...` command in a code
 block parses with the real command-line parser, the `key=value` overrides of a run's commands are keys
 of the run config with values of the right type, every `from <project module> import names` in a
-Python block imports, and every module, name and file of the project the pages cite exists. Synopsis lines (`[optional]`, `a|b`, `...`) show a shape, not a command, and are
-left out; the test counts what it checked, so a parser that stopped finding commands fails it."""
+Python block imports, and every module, name and file of the project the pages cite exists. Synopsis
+lines (`[optional]`, `a|b`, `...`) show a shape, not a command, and are left out; the test counts what
+it checked, so a parser that stopped finding commands fails it."""
 
 from __future__ import annotations
 
