@@ -24,12 +24,18 @@ demo: $(STAMP)
 demo-real: $(STAMP)
 	$(BIN)/pacerl train --config configs/smollm2-codemath.toml run_dir=runs/smollm2-$$(date +%Y%m%d-%H%M%S)
 
+# Tests run in TEST_WORKERS processes (pytest-xdist), each taking the next test as it frees up: many tests
+# wait on sandboxes, servers and subprocesses, so two workers keep two cores busy. TEST_WORKERS=0 runs
+# them in this process (a debugger, `-x` on the first failure).
+TEST_WORKERS ?= 2
+TEST_PROCESSES := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(TEST_PROCESSES)
 
 # The inner loop: every test not marked slow (under two minutes on 2 cores); `make test` runs them all.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m 'not slow and not gpu'
+	$(BIN)/python -m pytest -q $(TEST_PROCESSES) -m 'not slow and not gpu'
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

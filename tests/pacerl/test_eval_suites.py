@@ -88,7 +88,14 @@ def test_a_served_model_on_a_suite(model_dir: Path, tmp_path: Path) -> None:
     assert not any(reason.startswith("failed") for reason in gsm8k["report"]["failures"])
 
 
-@pytest.mark.parametrize("suite", sorted(set(SUITES) - {"math"}))
+# search-r1's seven benchmarks take seconds each: `make test` runs it, the inner loop nq-hotpotqa's two.
+@pytest.mark.parametrize(
+    "suite",
+    [
+        pytest.param(suite, marks=pytest.mark.slow) if suite == "search-r1" else suite
+        for suite in sorted(set(SUITES) - {"math"})
+    ],
+)
 def test_every_named_suite_evaluates_on_its_fixtures(suite: str, model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / f"{suite}.json"
     greedy = [*ROOMY, "evaluation.settings.samples=1", "evaluation.settings.temperature=0"]

@@ -275,6 +275,7 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=30)
 
 
+@pytest.mark.slow  # the server as a subprocess: start-up costs seconds; the app itself is tested above
 def test_pacerl_serve_openai_command(tmp_path: Path) -> None:
     """The command on a free port with the tiny model and a key from the environment."""
     port = free_port()
