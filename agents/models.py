@@ -37,8 +37,8 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from agents.gguf import checkpoint_source
-from agents.tokenizer import tiny_tokenizer
+from pacerl.agents.gguf import checkpoint_source
+from pacerl.agents.tokenizer import tiny_tokenizer
 
 Family = Literal["qwen3_moe", "mixtral"]
 ExpertsImplementation = Literal["grouped_mm", "batched_mm", "eager"]
@@ -221,7 +221,7 @@ def load_model(
     local_files_only: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """`(model, tokenizer)` from a local checkpoint directory, a `.gguf` file or a shipped model's short
-    name (`agents.gguf`: converted once into a cached checkpoint directory), or from a hub name like
+    name (`pacerl.agents.gguf`: converted once into a cached checkpoint directory), or from a hub name like
     `Qwen/Qwen3-30B-A3B` when the hub (or its local cache) has it. The model comes back in eval mode, on
     the CPU, in `dtype` (`"auto"`: the checkpoint's own). FileNotFoundError names what is missing,
     ValueError a file that is no model."""
@@ -371,7 +371,7 @@ def _unsupported(family: object, reason: str) -> UnsupportedMoEError:
     return UnsupportedMoEError(
         f"{family!r} is a mixture-of-experts model, but {reason}: R3 routing replay cannot reach its "
         f"routers. Supported MoE families: {', '.join(MOE_FAMILIES)}. Add an adapter to "
-        "agents.models.MOE_ADAPTERS (docs/training.md, MoE families), or train without R3 "
+        "pacerl.agents.models.MOE_ADAPTERS (docs/training.md, MoE families), or train without R3 "
         "(learner.routing_replay=false)."
     )
 

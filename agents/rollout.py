@@ -10,7 +10,7 @@ finishes a request under new weights reports the switch in its per-token version
 that aborts for a weight update (SGLang) is resumed with the accumulated tokens, which again starts a
 new segment. Failures never kill the batch: a trajectory ends `failed` with its reason, the group
 policy keeps or drops its group, and every outcome is counted. An env or engine that lost an episode's
-state for good (a distributed worker that died and could not replay it) raises `envs.EpisodeLost`: the
+state for good (a distributed worker that died and could not replay it) raises `pacerl.envs.EpisodeLost`: the
 episode is played again from its start under the same id (requeued), never counted twice.
 
 An env whose `inline_observations` attribute is true (Search-R1's `pacerl/SearchR1-v0`) gets the
@@ -38,7 +38,7 @@ from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 
-from agents.engine.protocol import (
+from pacerl.agents.engine.protocol import (
     ContextOverflowError,
     Engine,
     EngineWithRoutesStart,
@@ -46,10 +46,10 @@ from agents.engine.protocol import (
     Generation,
     SamplingParams,
 )
-from agents.routing import RoutedExperts
-from agents.trajectory import Origin, Status, Trajectory
-from envs import EpisodeLost, Message, Task
-from envs.chat_template import assistant_message, render_chat, split_reasoning, takes_reasoning
+from pacerl.agents.routing import RoutedExperts
+from pacerl.agents.trajectory import Origin, Status, Trajectory
+from pacerl.envs import EpisodeLost, Message, Task
+from pacerl.envs.chat_template import assistant_message, render_chat, split_reasoning, takes_reasoning
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Pre-tokenization is `Split("\\n", isolated)` + `Digits(individual_digits=True)` 
   encoding it whole: the rollout side can append pieces without re-tokenizing (token-in, token-out);
 - byte-level: any unicode text (emoji, NUL) encodes and decodes back exactly; nothing is `<unk>`.
 
-The tokenizer carries `envs.chat_template.CHATML_TOOLS_TEMPLATE`, so env messages and tool schemas
+The tokenizer carries `pacerl.envs.chat_template.CHATML_TOOLS_TEMPLATE`, so env messages and tool schemas
 render with `tokenizer.apply_chat_template(messages, tools=env.tool_schemas())`.
 """
 
@@ -28,14 +28,14 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from envs import code_math, get_tool, load_tasks
-from envs import math as math_env
-from envs import search as search_env
-from envs.chat_template import CHATML_TOOLS_TEMPLATE
-from envs.jsonl import read_jsonl
-from envs.spaces import Message
-from envs.tasks import DATA_DIR, Task
-from envs.tools.search import format_documents
+from pacerl.envs import code_math, get_tool, load_tasks
+from pacerl.envs import math as math_env
+from pacerl.envs import search as search_env
+from pacerl.envs.chat_template import CHATML_TOOLS_TEMPLATE
+from pacerl.envs.jsonl import read_jsonl
+from pacerl.envs.spaces import Message
+from pacerl.envs.tasks import DATA_DIR, Task
+from pacerl.envs.tools.search import format_documents
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ def _search_documents() -> dict[str, str]:
 
 
 def _search_episode(task: Task, documents: dict[str, str], rng: random.Random) -> list[Message]:
-    """One search per hop for the entity the task's metadata names (`envs.search_world`), as the
+    """One search per hop for the entity the task's metadata names (`pacerl.envs.search_world`), as the
     env's demonstrations call it, its passage first and two others after it (more text to learn merges
     from), then the answer."""
     messages: list[Message] = [

@@ -6,7 +6,7 @@ PACE and SAT (docs/algorithms.md §2, §6) are derived from the record alone.
 An interrupted generation that resumes under new weights is a new model segment with the new version.
 
 Routes (R3) cover the whole sequence: every segment may carry the routed experts of its tokens, the
-row of token t being the routing of the forward whose input was t − 1 (`agents.routing`). A model
+row of token t being the routing of the forward whose input was t − 1 (`pacerl.agents.routing`). A model
 segment's rows come with its tokens; the prompt's (all its tokens but the first, which no forward
 produced) and a tool response's come from the prefill of the engine call that follows them, and are
 attached then (`attach_routes`). Record format 2 (`RECORD_FORMAT`); format 1, written before routes
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agents.routing import RoutedExperts
+from pacerl.agents.routing import RoutedExperts
 
 
 class Origin(enum.StrEnum):
@@ -104,7 +104,7 @@ class Segment:
     interrupted it (the rest then follows as a new segment)."""
     routed_experts: RoutedExperts | None = None
     """For R3: one row per token, the routing of the forward pass that produced it (see
-    `agents.routing`); the prompt has none for its first token, so `len(tokens) - 1` rows. A model
+    `pacerl.agents.routing`); the prompt has none for its first token, so `len(tokens) - 1` rows. A model
     segment's rows are those the engine decoded it with; a prompt's or tool response's, those of the
     prefill of the next engine call."""
 

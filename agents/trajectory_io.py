@@ -1,5 +1,5 @@
-"""Trajectory records on disk, one JSON object per line (the record itself, `agents.trajectory`, imports
-no env module: this file holds what reads and writes them through the project's JSON-lines reader)."""
+"""Trajectory records on disk, one JSON object per line (the record itself, `pacerl.agents.trajectory`,
+imports no env module: this file holds what reads and writes them through the project's JSON-lines reader)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from agents.trajectory import Trajectory
-from envs.jsonl import read_jsonl
+from pacerl.agents.trajectory import Trajectory
+from pacerl.envs.jsonl import read_jsonl
 
 
 def save_jsonl(path: str | Path, trajectories: Iterable[Trajectory]) -> int:

@@ -35,10 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from agents.engine.protocol import SamplingParams
-from agents.models import TinyMoEConfig, build_tiny_moe, load_model, parameter_count
-from agents.tokenizer import tiny_tokenizer
+from pacerl.agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from pacerl.agents.engine.protocol import SamplingParams
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe, load_model, parameter_count
+from pacerl.agents.tokenizer import tiny_tokenizer
 
 
 def workload(requests: int, seed: int = 0, longest: int = 256) -> list[tuple[list[int], int]]:

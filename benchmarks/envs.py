@@ -23,8 +23,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from envs import Task, ToolEnvConfig, load_tasks, parse_actions
-from envs.code_math import CodeMathEnv
+from pacerl.envs import Task, ToolEnvConfig, load_tasks, parse_actions
+from pacerl.envs.code_math import CodeMathEnv
 
 UNKNOWN_TOOL = '<tool_call>{"name": "calculator", "arguments": {"x": 1}}</tool_call>'
 MESSAGES = [

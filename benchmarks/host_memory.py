@@ -1,5 +1,5 @@
-"""What handing freed heap memory back costs and saves (`trainer.host_memory`): SmolLM2-135M learner steps
-(forward, backward, AdamW) in three fresh processes side by side: glibc as it is, `return_free_heap`
+"""What handing freed heap memory back costs and saves (`pacerl.trainer.host_memory`): SmolLM2-135M learner
+steps (forward, backward, AdamW) in three fresh processes side by side: glibc as it is, `return_free_heap`
 after each step (what `pacerl train` does), and the mmap threshold fixed at 1 MiB plus the same (the
 alternative that was tried).
 
@@ -30,8 +30,8 @@ def measure(mode: str, steps: int) -> dict[str, object]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agents.gguf import checkpoint_source
-    from trainer.host_memory import peak_rss_gb, return_free_heap, rss_gb
+    from pacerl.agents.gguf import checkpoint_source
+    from pacerl.trainer.host_memory import peak_rss_gb, return_free_heap, rss_gb
 
     if mode == "mmap-1MiB+trim":
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD

@@ -36,8 +36,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agents.trajectory import Status, Trajectory
-from trainer.pool import FilterConfig, PaceSettings, TrajectoryPool
+from pacerl.agents.trajectory import Status, Trajectory
+from pacerl.trainer.pool import FilterConfig, PaceSettings, TrajectoryPool
 
 GROUP = 8
 BATCH_GROUPS = 16

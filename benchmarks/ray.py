@@ -40,13 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ray
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.engine.protocol import Engine, SamplingParams
-from agents.models import moe_info
-from agents.rollout import EpisodeEnv, RolloutDriver
-from envs import Task
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.engine.protocol import Engine, SamplingParams
+from pacerl.agents.models import moe_info
+from pacerl.agents.rollout import EpisodeEnv, RolloutDriver
 from pacerl.assembly import build_twin, env_factory, load_policy, training_tasks
 from pacerl.config import RunConfig, load_config
+from pacerl.envs import Task
 from pacerl.ray_runtime.runtime import RayRuntime, RaySettings
 
 ACTION = "The answer is \\boxed{6}"

@@ -31,8 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from envs.retriever import BM25Index
-from envs.tools import ToolContext, get_tool
+from pacerl.envs.retriever import BM25Index
+from pacerl.envs.tools import ToolContext, get_tool
 
 SYLLABLES = [consonant + vowel for consonant in "bdfklmnrstvz" for vowel in "aeiou"]
 KINDS = ["city", "river", "mountain", "island", "kingdom", "valley", "forest", "harbour"]

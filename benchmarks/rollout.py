@@ -21,13 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from agents.engine.protocol import SamplingParams
-from agents.models import TinyMoEConfig, build_tiny_moe
-from agents.rollout import RolloutConfig, RolloutDriver
-from agents.tokenizer import tiny_tokenizer
-from envs import load_tasks
-from envs.code_math import CodeMathEnv
+from pacerl.agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from pacerl.agents.engine.protocol import SamplingParams
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe
+from pacerl.agents.rollout import RolloutConfig, RolloutDriver
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.envs import load_tasks
+from pacerl.envs.code_math import CodeMathEnv
 
 
 async def run(tasks: int, group: int) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sandbox import Sandbox
+from pacerl.sandbox import Sandbox
 
 CODE = "print(1+1)"
 
@@ -185,7 +185,7 @@ def main() -> None:
         "local_unshare": session_cycle(args.session_cycles, isolation="unshare"),
     }
     try:
-        from sandbox.image import ensure_image
+        from pacerl.sandbox.image import ensure_image
 
         report["docker"] = bench_backend("docker", args.runs, image=ensure_image())
     except Exception as error:  # no daemon here: say so in the report instead of failing the rest

@@ -43,9 +43,9 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from envs.retriever import RetrieverLimits
-from envs.tasks import DATA_DIR
-from sandbox.server import GUARD as SANDBOX_GUARD
+from pacerl.envs.retriever import RetrieverLimits
+from pacerl.envs.tasks import DATA_DIR
+from pacerl.sandbox.server import GUARD as SANDBOX_GUARD
 
 CORPUS = DATA_DIR / "search-corpus.jsonl"
 MIB = 1024 * 1024

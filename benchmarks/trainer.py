@@ -47,14 +47,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from agents.engine.protocol import SamplingParams
-from agents.models import TinyMoEConfig, build_tiny_moe, declares_moe, load_model, moe_info
-from agents.rollout import append_generation
-from agents.routing import RoutedExperts
-from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Status, Trajectory
-from trainer.learner import Learner, LearnerConfig
+from pacerl.agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from pacerl.agents.engine.protocol import SamplingParams
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe, declares_moe, load_model, moe_info
+from pacerl.agents.rollout import append_generation
+from pacerl.agents.routing import RoutedExperts
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.agents.trajectory import Status, Trajectory
+from pacerl.trainer.learner import Learner, LearnerConfig
 
 PROMPT, RESPONSE, GROUP = 32, 224, 8
 

@@ -10,20 +10,25 @@ This package imports only `sandbox` from the project.
 
 import gymnasium
 
-from envs.base import EpisodeLost, ToolEnv, ToolEnvConfig
-from envs.parsing import Parsed, ParseError, ToolCall, extract_boxed, extract_tag, parse_actions
-from envs.registry import env_class, tool_env_ids
-from envs.rewards import Reward
-from envs.spaces import ChatMessages, Message, UnicodeText
-from envs.tasks import Task, load_tasks
-from envs.tools import TOOLS, SandboxPolicy, Tool, ToolContext, ToolError, get_tool, tool
+from pacerl.envs.base import EpisodeLost, ToolEnv, ToolEnvConfig
+from pacerl.envs.parsing import Parsed, ParseError, ToolCall, extract_boxed, extract_tag, parse_actions
+from pacerl.envs.registry import env_class, tool_env_ids
+from pacerl.envs.rewards import Reward
+from pacerl.envs.spaces import ChatMessages, Message, UnicodeText
+from pacerl.envs.tasks import Task, load_tasks
+from pacerl.envs.tools import TOOLS, SandboxPolicy, Tool, ToolContext, ToolError, get_tool, tool
 
 ENV_IDS = ("pacerl/CodeMath-v0", "pacerl/Search-v0", "pacerl/Math-v0", "pacerl/SearchR1-v0")
 """Every environment this package registers (a user's module registers its own: `env_class`)."""
 
 for _env_id, _entry_point in zip(
     ENV_IDS,
-    ("envs.code_math:CodeMathEnv", "envs.search:SearchEnv", "envs.math:MathEnv", "envs.search:SearchR1Env"),
+    (
+        "pacerl.envs.code_math:CodeMathEnv",
+        "pacerl.envs.search:SearchEnv",
+        "pacerl.envs.math:MathEnv",
+        "pacerl.envs.search:SearchR1Env",
+    ),
     strict=True,
 ):
     if _env_id not in gymnasium.registry:

@@ -36,11 +36,11 @@ from typing import Any, ClassVar, Literal
 import gymnasium
 from gymnasium.vector.utils import create_shared_memory
 
-from envs.parsing import Parsed, parse_actions
-from envs.rewards import Reward
-from envs.spaces import ChatMessages, Message, UnicodeText
-from envs.tasks import Task
-from envs.tools.core import Tool, ToolContext, ToolError, get_tool
+from pacerl.envs.parsing import Parsed, parse_actions
+from pacerl.envs.rewards import Reward
+from pacerl.envs.spaces import ChatMessages, Message, UnicodeText
+from pacerl.envs.tasks import Task
+from pacerl.envs.tools.core import Tool, ToolContext, ToolError, get_tool
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class ToolEnvConfig:
     """Characters of conversation (all messages) before the episode is truncated (the context budget)."""
     tool_formats: tuple[str, ...] = ("hermes", "code", "json")
     """How tool calls are written: `hermes` <tool_call> JSON, fenced `code` blocks, `json` whole-message
-    calls (Llama 3.x, Mistral): `envs.parsing`."""
+    calls (Llama 3.x, Mistral): `pacerl.envs.parsing`."""
     on_tool_error: Literal["continue", "truncate"] = "continue"
     """After a failed tool call (timeout, service down, bad call): let the model react, or end the episode."""
     format_weight: float = 0.0

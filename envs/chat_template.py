@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from envs.parsing import (
+from pacerl.envs.parsing import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     parse_hermes,

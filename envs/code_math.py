@@ -7,10 +7,10 @@ import random
 import re
 from collections.abc import Sequence
 
-from envs.base import ToolEnv, ToolEnvConfig
-from envs.rewards import Reward, boxed_math_reward
-from envs.spaces import Message
-from envs.tasks import Task, load_tasks
+from pacerl.envs.base import ToolEnv, ToolEnvConfig
+from pacerl.envs.rewards import Reward, boxed_math_reward
+from pacerl.envs.spaces import Message
+from pacerl.envs.tasks import Task, load_tasks
 
 SYSTEM_PROMPT = (
     "You solve math problems. Use the python tool to compute exactly: call it with "
@@ -43,7 +43,7 @@ class CodeMathEnv(ToolEnv):
 
     ## Arguments
     `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default
-    `codemath-forms-train`: arithmetic in 30 surface forms, `envs.tasks.codemath_tasks`;
+    `codemath-forms-train`: arithmetic in 30 surface forms, `pacerl.envs.tasks.codemath_tasks`;
     `codemath-train`: "What is EXPR?" only); validation on `codemath-val` ("What is EXPR?"), and on the
     six forms held out of training, `codemath-heldout`, reported on its own;
     `config`: a `ToolEnvConfig`; `render_mode`: None or "ansi".
@@ -98,7 +98,7 @@ TEACHER_DIRECT_P = 0.8
 
 def task_program(task: Task) -> str:
     """The python that prints `task`'s answer: the program its generator wrote (`metadata["code"]`, every
-    form of `envs.tasks.codemath_tasks`), else the expression of a plain "What is EXPR?" question."""
+    form of `pacerl.envs.tasks.codemath_tasks`), else the expression of a plain "What is EXPR?" question."""
     code = task.metadata.get("code")
     if isinstance(code, str) and code.strip():
         return code

@@ -6,10 +6,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import replace
 
-from envs.base import ToolEnv, ToolEnvConfig
-from envs.rewards import Reward, boxed_math_reward
-from envs.spaces import Message
-from envs.tasks import Task, load_tasks
+from pacerl.envs.base import ToolEnv, ToolEnvConfig
+from pacerl.envs.rewards import Reward, boxed_math_reward
+from pacerl.envs.spaces import Message
+from pacerl.envs.tasks import Task, load_tasks
 
 SYSTEM_PROMPT = "Solve the problem. Give the final answer as \\boxed{...}."
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import gymnasium
 
-from envs.base import ToolEnv
+from pacerl.envs.base import ToolEnv
 
 
 def env_class(env_id: str) -> type[ToolEnv]:

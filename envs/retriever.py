@@ -24,7 +24,7 @@ never differently shaped:
   hits per request) is HTTP 422 with FastAPI's `{"detail": [{"loc", "msg", "type"}]}`, the offending
   input never echoed. The caps bound one request's work: at the defaults, one maximal request
   (4,096 queries of 512 characters) takes well under a second of CPU on the shipped corpus.
-- The HTTP limits of `sandbox.http_guard` apply: a body over `RetrieverLimits.max_body_bytes` is 413
+- The HTTP limits of `pacerl.sandbox.http_guard` apply: a body over `RetrieverLimits.max_body_bytes` is 413
   (at once when declared), a body not in within the body timeout 408, a full body budget or a full
   search queue 503 with `Retry-After`, headers over the cap 431, a connection that does not finish
   its headers in time is closed, and past the connection cap so is the one waiting longest for a
@@ -55,8 +55,8 @@ import pydantic
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from envs.jsonl import read_jsonl
-from sandbox.http_guard import Gate, HttpGuardConfig, guard_app, run_server
+from pacerl.envs.jsonl import read_jsonl
+from pacerl.sandbox.http_guard import Gate, HttpGuardConfig, guard_app, run_server
 
 _uvicorn_log = logging.getLogger("uvicorn.error")
 """Lifecycle lines go where uvicorn writes its own."""
@@ -391,7 +391,7 @@ def local_retriever(corpus: str | Path | None = None) -> Iterator[str]:
     thread uvicorn leaves the process's signal handlers alone, so Ctrl-C still reaches the caller."""
     import uvicorn
 
-    from envs.tasks import DATA_DIR
+    from pacerl.envs.tasks import DATA_DIR
 
     path = Path(corpus) if corpus is not None else DATA_DIR / "search-corpus.jsonl"
     app = create_app(BM25Index.from_jsonl(path), source=f" from {path}")

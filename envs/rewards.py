@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from envs.parsing import extract_boxed, extract_tag
+from pacerl.envs.parsing import extract_boxed, extract_tag
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
-from envs.base import ToolEnv, ToolEnvConfig
-from envs.parsing import Parsed, ToolCall
-from envs.retriever import BM25Index, local_retriever
-from envs.rewards import Reward, answer_tag_reward, exact_match, f1_score
-from envs.spaces import Message
-from envs.tasks import DATA_DIR, Task, load_tasks
-from envs.tools.core import ToolError
-from envs.tools.search import format_documents, retrieve
+from pacerl.envs.base import ToolEnv, ToolEnvConfig
+from pacerl.envs.parsing import Parsed, ToolCall
+from pacerl.envs.retriever import BM25Index, local_retriever
+from pacerl.envs.rewards import Reward, answer_tag_reward, exact_match, f1_score
+from pacerl.envs.spaces import Message
+from pacerl.envs.tasks import DATA_DIR, Task, load_tasks
+from pacerl.envs.tools.core import ToolError
+from pacerl.envs.tools.search import format_documents, retrieve
 
 SYSTEM_PROMPT = (
     "Answer the question. If you lack knowledge, search for it: call the search tool with "
@@ -57,7 +57,7 @@ class SearchEnv(ToolEnv):
 
     ## Arguments
     `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default `search-train`,
-    single-hop and two-hop questions about the generated world of `envs.search_world`; its corpus is
+    single-hop and two-hop questions about the generated world of `pacerl.envs.search_world`; its corpus is
     envs/data/search-corpus.jsonl, `pacerl serve retriever --corpus ...`);
     `config`: a `ToolEnvConfig` (default: Hermes calls only), whose `settings["retriever_url"]` is the
     retriever's address; `render_mode`: None or "ansi"; `retriever_url`: sets that setting.
@@ -137,7 +137,7 @@ episode within the default 256-token context."""
 def search_turns(task: Task) -> list[Message]:
     """The assistant and tool turns of a Search demonstration (`SearchEnv.demonstration`): one search
     per hop for the entity `task.metadata["queries"]` names (the shipped world's tasks carry them:
-    `envs.search_world`; a task without them searches its whole question once), each with
+    `pacerl.envs.search_world`; a task without them searches its whole question once), each with
     `topk` `DEMONSTRATION_TOPK` and followed by the passage the shipped BM25 corpus returns for it,
     then `<answer> A </answer>`."""
     queries = task.metadata.get("queries") or [task.question]

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from envs.jsonl import write_jsonl
-from envs.tasks import DATA_DIR, Task, load_tasks
+from pacerl.envs.jsonl import write_jsonl
+from pacerl.envs.tasks import DATA_DIR, Task, load_tasks
 
 SYLLABLES = (
     "ka", "lo", "mir", "ven", "tor", "sa", "quel", "bri", "dan", "or", "pha", "zul", "nim", "ter", "wyn",

@@ -8,7 +8,7 @@ Schema of a task file (one JSON object per line, or one parquet row):
 is kept in `Task.metadata`. Rows in verl's RL schema (Search-R1's processed parquet: `prompt`,
 `reward_model`, ...) are read too (`Task.from_verl_row`). The shipped files in envs/data/ were made by
 the generators below (`python -m envs.tasks` rewrites them; the seeds are in `SHIPPED`), the Search
-world's corpus and questions by `envs.search_world` (`python -m envs.search_world`).
+world's corpus and questions by `pacerl.envs.search_world` (`python -m envs.search_world`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from envs.jsonl import read_jsonl, write_jsonl
+from pacerl.envs.jsonl import read_jsonl, write_jsonl
 
-DATA_DIR = Path(str(resources.files("envs").joinpath("data")))
+DATA_DIR = Path(str(resources.files("pacerl.envs").joinpath("data")))
 
 
 @dataclass(frozen=True)
@@ -371,7 +371,8 @@ SHIPPED: dict[str, ArithmeticSet | CodeMathSet] = {
     "math-train": ArithmeticSet(2000, seed=3, levels=(1,)),
     "math-val": ArithmeticSet(200, seed=4, levels=(1,)),
 }
-"""How each shipped task file in envs/data/ was made (the Search world's files: `envs.search_world`)."""
+"""How each shipped task file in envs/data/ was made (the Search world's files:
+`pacerl.envs.search_world`)."""
 
 
 def write_shipped(directory: Path = DATA_DIR) -> None:

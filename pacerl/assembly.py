@@ -1,5 +1,5 @@
 """A run's parts built from its config: the env maker, the policy and its tokenizer, the warm start,
-the engine, learner, driver and pool wired into a `trainer.loop.Run`, and the background evaluator.
+the engine, learner, driver and pool wired into a `pacerl.trainer.loop.Run`, and the background evaluator.
 `pacerl train` (and `pacerl sft`, `pacerl eval`) call these; nothing here parses arguments."""
 
 from __future__ import annotations
@@ -20,23 +20,23 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.engine.protocol import Engine
-from agents.engine.sglang import SGLangEngine
-from agents.models import build_tiny_moe, layout_of, load_model, moe_info
-from agents.rollout import EpisodeEnv, RolloutDriver
-from agents.tokenizer import tiny_tokenizer, with_chat_template
-from envs import Task, ToolEnv, load_tasks
-from envs.registry import env_class, registered_kwargs
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.engine.protocol import Engine
+from pacerl.agents.engine.sglang import SGLangEngine
+from pacerl.agents.models import build_tiny_moe, layout_of, load_model, moe_info
+from pacerl.agents.rollout import EpisodeEnv, RolloutDriver
+from pacerl.agents.tokenizer import tiny_tokenizer, with_chat_template
 from pacerl.config import ConfigError, RunConfig
 from pacerl.display import ProgressDisplay
+from pacerl.envs import Task, ToolEnv, load_tasks
+from pacerl.envs.registry import env_class, registered_kwargs
 from pacerl.parallel import start_learner
-from trainer.distributed import LearnerGroup
-from trainer.evaluator import BackgroundEvaluator
-from trainer.learner import Learner, LearnerLike
-from trainer.loop import Run
-from trainer.pool import TrajectoryPool
-from trainer.sft import SFTConfig, demonstrations, sft
+from pacerl.trainer.distributed import LearnerGroup
+from pacerl.trainer.evaluator import BackgroundEvaluator
+from pacerl.trainer.learner import Learner, LearnerLike
+from pacerl.trainer.loop import Run
+from pacerl.trainer.pool import TrajectoryPool
+from pacerl.trainer.sft import SFTConfig, demonstrations, sft
 
 log = logging.getLogger(__name__)
 

@@ -11,13 +11,13 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from agents.evaluation.config import EvalConfig
+from pacerl.agents.evaluation.config import EvalConfig
 from pacerl.lab.calibrate_cli import add_calibrate_parser
 from pacerl.lab.simulate_cli import add_simulate_parser
+from pacerl.sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
+from pacerl.sandbox.http_guard import add_guard_flags, guard_from_flags
+from pacerl.sandbox.limits import RequestMaxima
 from pacerl.serve_openai import add_serve_openai_parser
-from sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
-from sandbox.http_guard import add_guard_flags, guard_from_flags
-from sandbox.limits import RequestMaxima
 
 _RETRIEVER_FLAGS = {
     "max_queries": ("--max-queries", "queries in one request", 4096),
@@ -87,7 +87,7 @@ def cmd_sandbox_run(args: argparse.Namespace) -> int:
 
 def cmd_serve_sandbox(args: argparse.Namespace) -> int:
     """`pacerl serve sandbox`: a SandboxFusion-compatible /run_code server."""
-    from sandbox.server import GUARD, serve
+    from pacerl.sandbox.server import GUARD, serve
 
     serve(
         backend=args.backend,
@@ -105,7 +105,7 @@ def cmd_serve_sandbox(args: argparse.Namespace) -> int:
 
 def cmd_serve_retriever(args: argparse.Namespace) -> int:
     """`pacerl serve retriever`: a Search-R1-compatible /retrieve server (BM25 over a JSONL corpus)."""
-    from envs.retriever import RetrieverLimits, serve
+    from pacerl.envs.retriever import RetrieverLimits, serve
 
     given = {field: getattr(args, field) for field in _RETRIEVER_FLAGS if getattr(args, field) is not None}
     limits = RetrieverLimits(**given)
@@ -122,7 +122,7 @@ def cmd_serve_retriever(args: argparse.Namespace) -> int:
 
 def cmd_serve_sglang(args: argparse.Namespace) -> int:
     """`pacerl serve sglang`: replace this process with an SGLang server launched with pacerl's flags."""
-    from agents.engine.sglang import launch_command
+    from pacerl.agents.engine.sglang import launch_command
 
     argv = launch_command(
         args.model, args.port, args.python, args.extra,
@@ -157,15 +157,15 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 _ROUTER_STD = 0.02
-"""agents.upcycle.DEFAULT_ROUTER_STD as --help shows it, without importing torch for every command (a test
-checks they agree)."""
+"""pacerl.agents.upcycle.DEFAULT_ROUTER_STD as --help shows it, without importing torch for every command (a
+test checks they agree)."""
 
 
 def cmd_upcycle(args: argparse.Namespace) -> int:
     """`pacerl upcycle --model DIR_OR_GGUF --experts E --top-k K --out DIR`: a Mixtral-layout MoE whose
     experts are copies of the dense model's MLPs (agents.upcycle), saved with the model's tokenizer."""
-    from agents.models import load_model, parameter_count, save_model
-    from agents.upcycle import DEFAULT_ROUTER_STD, upcycle_to_mixtral
+    from pacerl.agents.models import load_model, parameter_count, save_model
+    from pacerl.agents.upcycle import DEFAULT_ROUTER_STD, upcycle_to_mixtral
 
     std = DEFAULT_ROUTER_STD if args.router_std is None else args.router_std
     out = Path(args.out)

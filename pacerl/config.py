@@ -14,19 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agents.engine.embedded import EmbeddedEngineConfig
-from agents.engine.openai_chat import OpenAIChatOptions
-from agents.engine.protocol import SamplingParams
-from agents.engine.sglang import SGLangOptions
-from agents.evaluation.config import EvalConfig
-from agents.models import TinyMoEConfig
-from agents.rollout import RolloutConfig
-from envs.registry import env_class
+from pacerl.agents.engine.embedded import EmbeddedEngineConfig
+from pacerl.agents.engine.openai_chat import OpenAIChatOptions
+from pacerl.agents.engine.protocol import SamplingParams
+from pacerl.agents.engine.sglang import SGLangOptions
+from pacerl.agents.evaluation.config import EvalConfig
+from pacerl.agents.models import TinyMoEConfig
+from pacerl.agents.rollout import RolloutConfig
+from pacerl.envs.registry import env_class
 from pacerl.settings import ConfigError as ConfigError
 from pacerl.settings import apply_overrides, config_to_dict, read_settings, settings_into
-from trainer.learner import LearnerConfig
-from trainer.loop import LoopConfig
-from trainer.pool import FilterConfig
+from pacerl.trainer.learner import LearnerConfig
+from pacerl.trainer.loop import LoopConfig
+from pacerl.trainer.pool import FilterConfig
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,10 @@ class ModelSpec:
     """Which model to train."""
 
     path: str | None = None
-    """A model directory (`agents.models.save_model` layout, or any local transformers checkpoint, dense
-    or MoE), a `.gguf` file, or a shipped model's short name (`smollm2-135m`: SmolLM2-135M-Instruct,
-    installed by `make`); a GGUF is converted once into a cached checkpoint (`agents.gguf`). None builds
-    the tiny MoE from `tiny`."""
+    """A model directory (`pacerl.agents.models.save_model` layout, or any local transformers checkpoint,
+    dense or MoE), a `.gguf` file, or a shipped model's short name (`smollm2-135m`: SmolLM2-135M-Instruct,
+    installed by `make`); a GGUF is converted once into a cached checkpoint (`pacerl.agents.gguf`). None
+    builds the tiny MoE from `tiny`."""
     tiny: TinyMoEConfig = field(default_factory=TinyMoEConfig)
     """Shape of the tiny MoE built when `path` is None."""
 
@@ -47,8 +47,8 @@ class EnvSpec:
     """The environment episodes are played in."""
 
     id: str = "pacerl/CodeMath-v0"
-    """Any registered `ToolEnv` id: a shipped one (`envs.ENV_IDS`), or `module:Name-v0` for an env a
-    user's module registers when imported (Gymnasium's form; `envs.registry.env_class`)."""
+    """Any registered `ToolEnv` id: a shipped one (`pacerl.envs.ENV_IDS`), or `module:Name-v0` for an env a
+    user's module registers when imported (Gymnasium's form; `pacerl.envs.registry.env_class`)."""
     tasks: str | None = None
     """Training tasks: a shipped set name or a .jsonl/.parquet path; None: the env's default."""
     system_prompt: str | None = ""
@@ -68,7 +68,7 @@ class EnvSpec:
 
 @dataclass(frozen=True)
 class WarmStartSpec:
-    """Supervised warm start on generated demonstrations of the env (`trainer.sft`), so that RL starts
+    """Supervised warm start on generated demonstrations of the env (`pacerl.trainer.sft`), so that RL starts
     from a policy that knows the tool format and sometimes succeeds (docs/learnability.md)."""
 
     when: Literal["fresh", "always", "never"] = "fresh"

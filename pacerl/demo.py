@@ -9,7 +9,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from sandbox import ExecStatus, Limits, Sandbox
+from pacerl.sandbox import ExecStatus, Limits, Sandbox
 
 HOSTILE = {
     "fork bomb": "import os\nwhile True:\n    os.fork()",

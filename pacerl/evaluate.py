@@ -28,23 +28,23 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.engine.openai_chat import OpenAIChatClient
-from agents.engine.protocol import Engine
-from agents.engine.sglang import SGLangEngine
-from agents.evaluation.benchmarks import Benchmark, load_benchmark, suite_benchmarks
-from agents.evaluation.config import EvalConfig
-from agents.evaluation.play import evaluate, evaluate_served
-from agents.evaluation.report import EvalReport, transcript
-from agents.evaluation.suites import SuiteResult, benchmark_eval_config, run_suite
-from agents.gguf import SHIPPED
-from agents.models import load_model
-from agents.tokenizer import with_chat_template
-from envs import Task, ToolEnv
-from envs.registry import env_class
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.engine.openai_chat import OpenAIChatClient
+from pacerl.agents.engine.protocol import Engine
+from pacerl.agents.engine.sglang import SGLangEngine
+from pacerl.agents.evaluation.benchmarks import Benchmark, load_benchmark, suite_benchmarks
+from pacerl.agents.evaluation.config import EvalConfig
+from pacerl.agents.evaluation.play import evaluate, evaluate_served
+from pacerl.agents.evaluation.report import EvalReport, transcript
+from pacerl.agents.evaluation.suites import SuiteResult, benchmark_eval_config, run_suite
+from pacerl.agents.gguf import SHIPPED
+from pacerl.agents.models import load_model
+from pacerl.agents.tokenizer import with_chat_template
 from pacerl.assembly import env_factory, seed_everything
 from pacerl.config import ConfigError, RunConfig, config_from_dict
 from pacerl.display import EpisodeDisplay
+from pacerl.envs import Task, ToolEnv
+from pacerl.envs.registry import env_class
 from pacerl.settings import apply_overrides, config_to_dict, merge_settings, read_settings
 from pacerl.train import quiet_logging
 
@@ -109,7 +109,7 @@ def main_eval(
 ) -> int:
     """The body of `pacerl eval`: evaluate the model of the config (`model.path`, or the served model of
     `engine_backend=openai`) on its env's held-out tasks (`evaluation.tasks`, default the env's
-    validation set) with `evaluation.settings`, or on every benchmark of `suite` (`envs.suites`: read
+    validation set) with `evaluation.settings`, or on every benchmark of `suite` (`pacerl.envs.suites`: read
     from `suite_dir`, `$PACERL_BENCHMARK_DIR` or the hub); print the table, write the JSON report (with
     the resolved config under `run_config`) to `out` and each episode's transcript to `episodes`
     (JSONL). The positional and keyword shorthands set config keys (`_FLAG_KEYS`); `overrides` are

@@ -23,11 +23,12 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
-from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from agents.engine.protocol import ContextOverflowError, FinishReason, Generation, SamplingParams
-from agents.models import TinyMoEConfig, build_tiny_moe, load_model
-from agents.tokenizer import tiny_tokenizer
-from envs.chat_template import render_chat
+from pacerl.agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from pacerl.agents.engine.protocol import ContextOverflowError, FinishReason, Generation, SamplingParams
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe, load_model
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.envs.chat_template import render_chat
+from pacerl.sandbox.http_guard import Gate, HttpGuardConfig, guard_app, guard_from_flags, run_server
 from pacerl.serve_openai import (
     GUARD,
     MAX_QUEUE,
@@ -39,7 +40,6 @@ from pacerl.serve_openai import (
     split_tool_calls,
     template_messages,
 )
-from sandbox.http_guard import Gate, HttpGuardConfig, guard_app, guard_from_flags, run_server
 
 _T = TypeVar("_T")
 
@@ -333,7 +333,7 @@ def _logprobs(tokenizer: Any, tokens: Sequence[int], logprobs: Sequence[float]) 
 
 
 def build_engine(model: str | None, *, seed: int = 0, max_batch: int = 64) -> tuple[Any, Any, str]:
-    """(engine, tokenizer, default model name): a checkpoint directory (`agents.models.load_model`), or
+    """(engine, tokenizer, default model name): a checkpoint directory (`pacerl.agents.models.load_model`), or
     the tiny MoE with random weights when `model` is None."""
 
     tokenizer: Any

@@ -2,9 +2,9 @@
 
 `pacerl train learner.parallel=fsdp learner.world_size=N` starts ranks 1..N-1 itself (`python -m
 pacerl.parallel`, torchrun's environment variables set on each) and stays rank 0, which runs the whole
-run: engine, driver, pool and loop, with the learner a `trainer.distributed.LearnerGroup`. Under torchrun
-(`torchrun --nproc-per-node N -m pacerl train ...`, also across nodes) every process runs `pacerl train`,
-and ranks > 0 turn into learner ranks (`serve_rank`) before anything else is built. Either way rank 0
+run: engine, driver, pool and loop, with the learner a `pacerl.trainer.distributed.LearnerGroup`. Under
+torchrun (`torchrun --nproc-per-node N -m pacerl train ...`, also across nodes) every process runs `pacerl
+train`, and ranks > 0 turn into learner ranks (`serve_rank`) before anything else is built. Either way rank 0
 sends the others the model (class, config and weights) and the learner's config, so their shards start
 from rank 0's weights, the warm start included.
 """
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from trainer.distributed import LearnerGroup, Ranks, join, receive, send, serve_learner
-from trainer.learner import Learner, LearnerConfig
+from pacerl.trainer.distributed import LearnerGroup, Ranks, join, receive, send, serve_learner
+from pacerl.trainer.learner import Learner, LearnerConfig
 
 INIT = "__init__"
 PARENT_PID = "PACERL_PARENT_PID"

@@ -35,7 +35,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from numpy.typing import ArrayLike
 
-from envs.jsonl import read_jsonl
+from pacerl.envs.jsonl import read_jsonl
 
 # trainer.metrics.METRICS_FILE (a test keeps them equal): importing `trainer` pulls in torch and
 # transformers, seconds of start-up that `pacerl plot` has no use for.

@@ -12,7 +12,7 @@ sampled token's). Every error has the API's shape, `{"error": {"message", "type"
 `max_tokens`) over what it leaves, 401 for a missing or wrong API key (`--api-key-env NAME`), 404
 for an unknown model or route, 500 when the engine fails, and the HTTP guard's refusals.
 
-Hostile clients meet the guard of the sandbox and retriever servers (`sandbox.http_guard`): the key
+Hostile clients meet the guard of the sandbox and retriever servers (`pacerl.sandbox.http_guard`): the key
 is checked before a byte of the body is read; bodies are capped (413), budgeted and timed (408);
 headers are capped (431) and timed; connections are capped (the one waiting longest for a request is
 closed to make room); at most `max_concurrency` requests are worked on at once and `max_queue` wait,
@@ -39,9 +39,9 @@ from typing import Any, Literal
 
 import pydantic
 
-from envs.chat_template import assistant_message
-from envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from sandbox.http_guard import MIB, HttpGuardConfig, add_guard_flags
+from pacerl.envs.chat_template import assistant_message
+from pacerl.envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from pacerl.sandbox.http_guard import MIB, HttpGuardConfig, add_guard_flags
 
 MAX_N = 16
 """Choices one request may ask for."""
@@ -128,7 +128,7 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str) -> bytes:
-    """The API's error shape for the HTTP guard's refusals (`sandbox.http_guard.ErrorBody`): 401 is
+    """The API's error shape for the HTTP guard's refusals (`pacerl.sandbox.http_guard.ErrorBody`): 401 is
     OpenAI's `invalid_api_key`."""
     code = "invalid_api_key" if status == 401 else None
     return json.dumps(ApiError(status, message, code=code).body()).encode()
@@ -187,7 +187,7 @@ def template_messages(messages: Sequence[ChatMessage], native_tool_calls: bool) 
 
 def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of generated text in the API's shape: the calls the project's parser
-    finds (`envs.chat_template.assistant_message`: `<tool_call>` blocks, or a whole-message Llama or
+    finds (`pacerl.envs.chat_template.assistant_message`: `<tool_call>` blocks, or a whole-message Llama or
     Mistral JSON call) with their arguments as JSON text, removed from the content; a malformed
     `<tool_call>` block leaves the text whole, without calls (as the Hermes parsers of vLLM and SGLang
     do)."""

@@ -20,8 +20,7 @@ from typing import Any
 
 from transformers.utils import logging as transformers_logging
 
-from agents.models import save_model
-from envs.registry import env_class
+from pacerl.agents.models import save_model
 from pacerl.assembly import (
     TOKENIZER_DIR,
     WarmStartInterruptedError,
@@ -35,12 +34,13 @@ from pacerl.assembly import (
 )
 from pacerl.config import ConfigError, RunConfig, load_config, save_config
 from pacerl.display import StepDisplay
+from pacerl.envs.registry import env_class
 from pacerl.lab.emulated import clock_config, train_emulated
 from pacerl.parallel import is_learner_rank, serve_rank
 from pacerl.plots import plot_run
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
-from trainer.host_memory import peak_rss_gb
-from trainer.loop import Run, train_async, train_sync
+from pacerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+from pacerl.trainer.host_memory import peak_rss_gb
+from pacerl.trainer.loop import Run, train_async, train_sync
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import contextlib
 import time
 from typing import ClassVar, Generic, Protocol, TypeVar
 
-from sandbox._cgroup import SessionCpuWatch
-from sandbox._protocol import (
+from pacerl.sandbox._cgroup import SessionCpuWatch
+from pacerl.sandbox._protocol import (
     DIED_NOTICE,
     READY_CAP,
     RESTART_NOTICE,
@@ -35,10 +35,10 @@ from sandbox._protocol import (
     session_message,
     session_result,
 )
-from sandbox._warm_pool import wall_clock_reason
-from sandbox.limits import Limits
-from sandbox.request import ExecRequest
-from sandbox.result import ExecResult, ExecStatus
+from pacerl.sandbox._warm_pool import wall_clock_reason
+from pacerl.sandbox.limits import Limits
+from pacerl.sandbox.request import ExecRequest
+from pacerl.sandbox.result import ExecResult, ExecStatus
 
 
 class SessionBox(Protocol):

@@ -31,7 +31,7 @@ from pathlib import Path
 from secrets import token_hex
 from typing import TypeVar
 
-from sandbox._watchdog import end_cgroup
+from pacerl.sandbox._watchdog import end_cgroup
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
-from sandbox.result import OutputCapture
+from pacerl.sandbox.result import OutputCapture
 
 _CHUNK = 65536
 

@@ -14,12 +14,12 @@ import threading
 from importlib import resources
 from typing import Any
 
-from sandbox.limits import Limits
-from sandbox.request import ExecRequest
-from sandbox.result import ExecResult, ExecStatus, OutputCapture
+from pacerl.sandbox.limits import Limits
+from pacerl.sandbox.request import ExecRequest
+from pacerl.sandbox.result import ExecResult, ExecStatus, OutputCapture
 
 LAUNCHER_SOURCE = "".join(
-    resources.files("sandbox").joinpath(part).read_text()
+    resources.files("pacerl.sandbox").joinpath(part).read_text()
     for part in ("_launcher.py", "_launcher_session.py", "_launcher_oneshot.py")
 )
 """The launcher's source, passed with `python3 -I -c` so no sandbox needs a copy of it: its parts

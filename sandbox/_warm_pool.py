@@ -7,7 +7,7 @@ exit and resets the box for the next run. What the host does with that is the sa
 is (processes under bubblewrap or `unshare`, or a Docker container), so it is written once here:
 
 - `WarmPool._take`: a box for a run: a warm one, else one whose reset (or start) is about to end
-  (runs wait in line for those, `sandbox._handover`), else a new one.
+  (runs wait in line for those, `pacerl.sandbox._handover`), else a new one.
 - `WarmPool._end_run`, `_await_reset`, `_put_ready`: a box whose run ended by itself goes back to
   the pool, or to the first run waiting, only once its zygote confirmed the reset, in the
   background; any other is discarded and the pool refills.
@@ -44,12 +44,12 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import ClassVar, Generic, Protocol, TypeVar
 
-from sandbox._cgroup import cpu_budget
-from sandbox._handover import hand_over, wait_in_line
-from sandbox._protocol import SandboxProtocolError, ZygoteFrames
-from sandbox.limits import Limits
-from sandbox.request import ExecRequest
-from sandbox.result import ExecResult, ExecStatus, OutputCapture, classify_exit
+from pacerl.sandbox._cgroup import cpu_budget
+from pacerl.sandbox._handover import hand_over, wait_in_line
+from pacerl.sandbox._protocol import SandboxProtocolError, ZygoteFrames
+from pacerl.sandbox.limits import Limits
+from pacerl.sandbox.request import ExecRequest
+from pacerl.sandbox.result import ExecResult, ExecStatus, OutputCapture, classify_exit
 
 MAX_RUNS = 256
 """One-shot runs (or sessions) one box serves before it is replaced (bounds what a slow leak could

@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Protocol, TypeVar
 
-from sandbox.limits import Limits
-from sandbox.request import ExecRequest
-from sandbox.result import ExecResult
+from pacerl.sandbox.limits import Limits
+from pacerl.sandbox.request import ExecRequest
+from pacerl.sandbox.result import ExecResult
 
 T = TypeVar("T")
 
@@ -41,19 +41,19 @@ class Backend(Protocol):
 
 
 def _local(options: Mapping[str, Any]) -> Backend:
-    from sandbox.local import LocalBackend, LocalOptions
+    from pacerl.sandbox.local import LocalBackend, LocalOptions
 
     return LocalBackend(_build(LocalOptions, options))
 
 
 def _docker(options: Mapping[str, Any]) -> Backend:
-    from sandbox.docker_backend import DockerBackend, DockerOptions
+    from pacerl.sandbox.docker_backend import DockerBackend, DockerOptions
 
     return DockerBackend(_build(DockerOptions, options))
 
 
 def _remote(options: Mapping[str, Any]) -> Backend:
-    from sandbox.remote import RemoteBackend, RemoteOptions
+    from pacerl.sandbox.remote import RemoteBackend, RemoteOptions
 
     return RemoteBackend(_build(RemoteOptions, options))
 

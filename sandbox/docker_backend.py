@@ -53,15 +53,15 @@ import docker
 from docker.errors import DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig
 
-from sandbox import _protocol as protocol
-from sandbox._box_session import BoxSession, read_ready
-from sandbox._cgroup import ContainerCgroup, SessionCpuWatch, cpus_available
-from sandbox._docker_stream import ExecStream, parse_address
-from sandbox._hide_proc import HIDE_PROC_EXIT, HIDE_PROC_FAILED
-from sandbox._warm_pool import WarmPool, cpu_reason
-from sandbox.image import DEFAULT_IMAGE, IDLE_COMMAND, PYTHON, ensure_image
-from sandbox.limits import Limits
-from sandbox.result import ExecResult, ExecStatus, OutputCapture
+from pacerl.sandbox import _protocol as protocol
+from pacerl.sandbox._box_session import BoxSession, read_ready
+from pacerl.sandbox._cgroup import ContainerCgroup, SessionCpuWatch, cpus_available
+from pacerl.sandbox._docker_stream import ExecStream, parse_address
+from pacerl.sandbox._hide_proc import HIDE_PROC_EXIT, HIDE_PROC_FAILED
+from pacerl.sandbox._warm_pool import WarmPool, cpu_reason
+from pacerl.sandbox.image import DEFAULT_IMAGE, IDLE_COMMAND, PYTHON, ensure_image
+from pacerl.sandbox.limits import Limits
+from pacerl.sandbox.result import ExecResult, ExecStatus, OutputCapture
 
 T = TypeVar("T")
 
@@ -77,7 +77,7 @@ _FAILURES = (DockerException, OSError, EOFError)
 """What a failing daemon raises: SDK errors, connection errors (requests' are OSErrors), cut streams."""
 _EXEC_FAILED = "OCI runtime exec failed"
 """What the daemon writes to an exec's output when runc cannot start its process."""
-_HIDE_PROC_SOURCE = resources.files("sandbox").joinpath("_hide_proc.py").read_text()
+_HIDE_PROC_SOURCE = resources.files("pacerl.sandbox").joinpath("_hide_proc.py").read_text()
 """Run ahead of the launcher when `DockerOptions.hide_proc` (see sandbox/_hide_proc.py)."""
 _MEMORY_REASON = "memory limit exceeded (the container's memory cap)"
 _DOCKER_MASKED_PATHS = (

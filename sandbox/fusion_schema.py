@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from sandbox.result import ExecResult, ExecStatus
+from pacerl.sandbox.result import ExecResult, ExecStatus
 
 # ---------------------------------------------------------------------
 

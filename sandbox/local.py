@@ -55,8 +55,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from sandbox._box_session import BoxSession, read_ready
-from sandbox._cgroup import (
+from pacerl.sandbox._box_session import BoxSession, read_ready
+from pacerl.sandbox._cgroup import (
     CgroupTree,
     SandboxCgroup,
     SessionCpuWatch,
@@ -65,8 +65,8 @@ from sandbox._cgroup import (
     fallback_bound,
     process_tree_cpu_s,
 )
-from sandbox._proc import Child, spawn
-from sandbox._protocol import (
+from pacerl.sandbox._proc import Child, spawn
+from pacerl.sandbox._protocol import (
     LAUNCHER_SOURCE,
     MASKED_DIRS,
     MASKED_FILES,
@@ -81,9 +81,9 @@ from sandbox._protocol import (
     oneshot_config,
     session_config,
 )
-from sandbox._warm_pool import MAX_RUNS, RESET_TIMEOUT_S, WarmPool, cpu_reason
-from sandbox.limits import Limits
-from sandbox.result import ExecResult, ExecStatus
+from pacerl.sandbox._warm_pool import MAX_RUNS, RESET_TIMEOUT_S, WarmPool, cpu_reason
+from pacerl.sandbox.limits import Limits
+from pacerl.sandbox.result import ExecResult, ExecStatus
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class LocalOptions:
             _check_reachable(source)
 
 
-_WATCHDOG_SOURCE = resources.files("sandbox").joinpath("_watchdog.py").read_text()
+_WATCHDOG_SOURCE = resources.files("pacerl.sandbox").joinpath("_watchdog.py").read_text()
 """The watchdog's program, passed with `python3 -I -c` (it imports nothing of the project)."""
 _WATCHDOG_EXIT_S = 15.0
 """How long `aclose` waits for the watchdog to exit (it has nothing left to end: milliseconds)."""

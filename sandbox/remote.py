@@ -40,17 +40,17 @@ from typing import Any
 import httpx
 import pydantic
 
-from sandbox._protocol import cell_verdict
-from sandbox.fusion_schema import (
+from pacerl.sandbox._protocol import cell_verdict
+from pacerl.sandbox.fusion_schema import (
     CommandRunStatus,
     RunCodeRequest,
     RunCodeResponse,
     RunStatus,
     parse_status_message,
 )
-from sandbox.limits import Limits
-from sandbox.request import MAX_CODE_BYTES, ExecRequest, SandboxUsageError
-from sandbox.result import TRUNCATION_MARKER, ExecResult, ExecStatus, OutputCapture, classify_exit
+from pacerl.sandbox.limits import Limits
+from pacerl.sandbox.request import MAX_CODE_BYTES, ExecRequest, SandboxUsageError
+from pacerl.sandbox.result import TRUNCATION_MARKER, ExecResult, ExecStatus, OutputCapture, classify_exit
 
 _MAX_REASON = 2000
 """Characters of a service's error text kept in `ExecResult.reason`."""

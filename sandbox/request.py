@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sandbox.limits import Limits
+from pacerl.sandbox.limits import Limits
 
 LANGUAGES = ("python", "bash")
 """Languages every backend runs. `python` is CPython 3 from the sandbox's root; `bash` is /bin/bash."""

@@ -49,7 +49,7 @@ Requests:
 At most `max_concurrency` runs execute at once; more wait in arrival order. With `max_queue` set, a
 request that would make the queue longer is answered HTTP 503 with `Retry-After` at once.
 
-Hostile clients meet the limits of `sandbox.http_guard` (`GUARD` by default, `pacerl serve sandbox
+Hostile clients meet the limits of `pacerl.sandbox.http_guard` (`GUARD` by default, `pacerl serve sandbox
 --help` lists them): a body over `max_body_bytes` is HTTP 413 (at once when its Content-Length says
 so), a malformed Content-Length 400, a body not in within the body timeout 408; bodies wait for room
 in a shared byte budget before they are read and hold it until answered (503 past the wait queue);
@@ -70,8 +70,8 @@ import fastapi
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from sandbox.core import Sandbox
-from sandbox.fusion_schema import (
+from pacerl.sandbox.core import Sandbox
+from pacerl.sandbox.fusion_schema import (
     CommandRunResult,
     CommandRunStatus,
     LimitCap,
@@ -81,9 +81,9 @@ from sandbox.fusion_schema import (
     RunStatus,
     status_message,
 )
-from sandbox.http_guard import MIB, Gate, HttpGuardConfig, budget_report, guard_app, run_server
-from sandbox.limits import Limits, RequestMaxima
-from sandbox.request import (
+from pacerl.sandbox.http_guard import MIB, Gate, HttpGuardConfig, budget_report, guard_app, run_server
+from pacerl.sandbox.limits import Limits, RequestMaxima
+from pacerl.sandbox.request import (
     LANGUAGES,
     MAX_CODE_BYTES,
     MAX_FILES_BYTES,
@@ -91,7 +91,7 @@ from sandbox.request import (
     ExecRequest,
     SandboxUsageError,
 )
-from sandbox.result import ExecResult, ExecStatus
+from pacerl.sandbox.result import ExecResult, ExecStatus
 
 logger = logging.getLogger(__name__)
 _uvicorn_log = logging.getLogger("uvicorn.error")
@@ -199,7 +199,7 @@ def create_app(
     close_on_shutdown: bool = False,
     maxima: RequestMaxima = MAXIMA,
 ) -> fastapi.FastAPI:
-    """The ASGI app serving `sandbox`: `sandbox.limits` are what a request gets when it asks for
+    """The ASGI app serving `sandbox`: `pacerl.sandbox.limits` are what a request gets when it asks for
     nothing, `maxima` the most it may ask for (ValueError when a default is above its maximum).
 
     With `close_on_shutdown` the app owns the sandbox and closes it when the server shuts down.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import Sandbox
+from pacerl.sandbox import Sandbox
 from tests.helpers import build_warm_model
 
 
@@ -39,7 +39,7 @@ def require_docker() -> None:
 def docker_image() -> str:
     """The sandbox image, built locally from a rootfs (never pulled) once per test session."""
     require_docker()
-    from sandbox.image import ensure_image
+    from pacerl.sandbox.image import ensure_image
 
     return ensure_image()
 

@@ -18,12 +18,12 @@ import pytest
 import torch
 import uvicorn
 
-from agents.models import TinyMoEConfig, build_tiny_moe, save_model
-from agents.tokenizer import tiny_tokenizer
-from envs import load_tasks
-from sandbox import ExecRequest, ExecResult, Sandbox
-from trainer.metrics import read_metrics
-from trainer.sft import SFTConfig, demonstrations, sft
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe, save_model
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.envs import load_tasks
+from pacerl.sandbox import ExecRequest, ExecResult, Sandbox
+from pacerl.trainer.metrics import read_metrics
+from pacerl.trainer.sft import SFTConfig, demonstrations, sft
 
 
 def free_port() -> int:
@@ -259,7 +259,7 @@ class ServedBy:
 
 
 def session_box(session: object) -> object:
-    """The sandbox (local) or container (docker) a live `sandbox.Session` runs in."""
+    """The sandbox (local) or container (docker) a live `pacerl.sandbox.Session` runs in."""
     live = session._backend_session  # type: ignore[attr-defined]
     assert live is not None and live._box is not None, "the session has not started"
     return live._box

@@ -12,7 +12,7 @@ import socket
 import time
 from typing import Any
 
-from sandbox.http_guard import ErrorBody, HttpGuardConfig, detail_body, uvicorn_config
+from pacerl.sandbox.http_guard import ErrorBody, HttpGuardConfig, detail_body, uvicorn_config
 from tests.helpers import ThreadServer, free_port
 
 PATIENCE_S = 20.0
@@ -194,7 +194,7 @@ def open_silent_connections(port: int, count: int) -> list[socket.socket]:
 
 
 class GuardedServer(ThreadServer):
-    """`app` served as `sandbox.http_guard.run_server` serves it (the guard's protocol, connection cap
+    """`app` served as `pacerl.sandbox.http_guard.run_server` serves it (the guard's protocol, connection cap
     and header cap, `error_body` for the answers the protocol writes itself), on a daemon thread of
     this process, at 127.0.0.1:`port`."""
 

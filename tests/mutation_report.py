@@ -1,7 +1,7 @@
 """The mutation score of `make mutate` (docs/mutation.md), read from mutmut's results in mutants/.
 
-Counts mutmut's mutants in scope per file: every function of trainer/losses.py, trainer/advantages.py and
-trainer/replay.py, and the budget, ranking and draw/reject functions of trainer/pool.py (`POOL_SCOPE`;
+Counts mutmut's mutants in scope per file: every function of losses.py, advantages.py and replay.py of
+pacerl/trainer/, and the budget, ranking and draw/reject functions of its pool.py (`POOL_SCOPE`;
 mutmut mutates the whole file, the rest of it is out of scope and not run). Killed = a test failed, or
 the mutant ran past mutmut's time limit (an infinite loop); the score is killed over all in-scope
 mutants, so a mutant that no selected test reaches counts as a survivor. Prints each survivor with its
@@ -26,7 +26,12 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-FILES = ("trainer/losses.py", "trainer/advantages.py", "trainer/pool.py", "trainer/replay.py")
+FILES = (
+    "pacerl/trainer/losses.py",
+    "pacerl/trainer/advantages.py",
+    "pacerl/trainer/pool.py",
+    "pacerl/trainer/replay.py",
+)
 POOL_SCOPE = (
     "admission_capacity",
     "pace_budget",
@@ -42,11 +47,11 @@ POOL_SCOPE = (
 )
 """The pool's functions in scope, as `function` or `Class.method`."""
 MUTANT_GLOBS = (
-    "trainer.losses.*",
-    "trainer.advantages.*",
-    "trainer.replay.*",
+    "pacerl.trainer.losses.*",
+    "pacerl.trainer.advantages.*",
+    "pacerl.trainer.replay.*",
     *(
-        f"trainer.pool.{'xǁ' + name.replace('.', 'ǁ') if '.' in name else 'x_' + name}__mutmut_*"
+        f"pacerl.trainer.pool.{'xǁ' + name.replace('.', 'ǁ') if '.' in name else 'x_' + name}__mutmut_*"
         for name in POOL_SCOPE
     ),
 )
@@ -80,39 +85,39 @@ _UPDATES = "tests/trainer/test_learner_updates.py"
 _SCORE = "score = np.add.reduceat(s_eff, starts) / np.diff(starts, append=rows.size)"
 NAMED_MUTANTS: dict[str, Named] = {
     "SAT endpoint selection swapped": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [(_GATE[0], _GATE[0].replace("d > 0", "d < 0")), (_GATE[1], _GATE[1].replace("d < 0", "d > 0"))],
     ),
     "contraction radius: cauchy exponent 3": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [(_CAUCHY, _CAUCHY.replace("** 2", "** 3"))],
     ),
     "contraction radius: cauchy scale 2q": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [(_CAUCHY, _CAUCHY.replace("/ q.clamp_min", "/ (2 * q).clamp_min"))],
     ),
     "contraction radius: rational q² instead of 2q²": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [("k = 2 * q**2 / (q**2 + magnitude**2)", "k = q**2 / (q**2 + magnitude**2)")],
     ),
     "contraction radius: c² instead of c": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [(_BOUNDS, _BOUNDS.replace("c_low,", "c_low**2,").replace("c_high,", "c_high**2,"))],
     ),
     "sequence-level gate: mean |d| instead of |mean d|": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [(_STALENESS, "staleness = ((logprobs - behaviour).abs() * weights).sum(-1) / lengths")],
     ),
     "sequence-level gate: largest token |d|": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [(_STALENESS, "staleness = torch.where(mask, (logprobs - behaviour).abs(), 0.0).amax(-1)")],
     ),
     "sequence-level gate: rows without tokens in the quantile": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [(_GSPO_BOUNDS, _GSPO_BOUNDS.replace("present,", "torch.ones_like(present),"))],
     ),
     "asymmetric epsilons swapped (SAT)": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [
             (
                 _BOUNDS,
@@ -121,7 +126,7 @@ NAMED_MUTANTS: dict[str, Named] = {
         ],
     ),
     "asymmetric epsilons swapped (token losses)": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [
             (
                 "lo = torch.full_like(logprobs, 1 - clip.eps_low)",
@@ -134,14 +139,14 @@ NAMED_MUTANTS: dict[str, Named] = {
         ],
     ),
     "asymmetric epsilons swapped (GSPO)": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [
             ("sequence_log_ratio, 1 - clip.eps_low)", "sequence_log_ratio, 1 - clip.eps_high)"),
             ("sequence_log_ratio, 1 + clip.eps_high)", "sequence_log_ratio, 1 + clip.eps_low)"),
         ],
     ),
     "padding counted in the quantile": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [
             (
                 "values = staleness_log_ratio.detach().abs()[active]",
@@ -150,7 +155,7 @@ NAMED_MUTANTS: dict[str, Named] = {
         ],
     ),
     "GSPO's mean counting empty rows": Named(
-        "trainer/losses.py",
+        "pacerl/trainer/losses.py",
         [
             (
                 "loss = _batch_mean(per_sequence[present], denominator)",
@@ -159,15 +164,15 @@ NAMED_MUTANTS: dict[str, Named] = {
         ],
     ),
     "PACE's group score the max instead of the mean": Named(
-        "trainer/pool.py",
+        "pacerl/trainer/pool.py",
         [(_SCORE, "score = np.maximum.reduceat(s_eff, starts)")],
     ),
     "PACE's group score the sum instead of the mean": Named(
-        "trainer/pool.py",
+        "pacerl/trainer/pool.py",
         [(_SCORE, "score = np.add.reduceat(s_eff, starts)")],
     ),
     "PACE draws the lowest S_eff first instead of in arrival order": Named(
-        "trainer/pool.py",
+        "pacerl/trainer/pool.py",
         [
             (
                 "return rejected, np.flatnonzero(kept)[:batch_groups]",
@@ -177,16 +182,16 @@ NAMED_MUTANTS: dict[str, Named] = {
         ],
     ),
     "replayed routes given the live gate weights": Named(
-        "trainer/replay.py",
+        "pacerl/trainer/replay.py",
         [("scores = weights(module, logits, chosen)", "scores = weights(module, logits, live)")],
     ),
     "SAT's threshold for later updates taken at the proximal weights": Named(
-        "trainer/update_step.py",
+        "pacerl/trainer/update_step.py",
         [("if proximal is not None and not moved:", "if proximal is not None:")],
         (f"{_UPDATES}::test_each_later_update_takes_sats_quantile_at_its_own_weights",),
     ),
     "sequence-mean losses divided by the token count": Named(
-        "trainer/update_step.py",
+        "pacerl/trainer/update_step.py",
         [(_DENOMINATOR, "denominator = float(tokens)")],
         (f"{_UPDATES}::test_the_accumulated_gradient_divides_by_the_batchs_sequences_or_tokens_by_hand",),
     ),
@@ -200,7 +205,7 @@ NO_TESTS = {5, 33}
 
 
 def function_of(mutant: str) -> str:
-    """`Class.method` or `function` of a mutant (`trainer.pool.xǁTrajectoryPoolǁselect__mutmut_3`)."""
+    """`Class.method` or `function` of a mutant (`pacerl.trainer.pool.xǁTrajectoryPoolǁselect__mutmut_3`)."""
     mangled = mutant.rpartition(".")[2].rpartition("__mutmut_")[0]
     if mangled.startswith("xǁ"):
         return mangled[2:].replace("ǁ", ".")
@@ -208,7 +213,7 @@ def function_of(mutant: str) -> str:
 
 
 def in_scope(path: str, mutant: str) -> bool:
-    return path != "trainer/pool.py" or function_of(mutant) in POOL_SCOPE
+    return path != "pacerl/trainer/pool.py" or function_of(mutant) in POOL_SCOPE
 
 
 def function_spans(path: str) -> dict[str, tuple[int, int]]:
@@ -248,12 +253,12 @@ def check_named() -> list[str]:
     everything = tuple(dict.fromkeys(test for mutant in NAMED_MUTANTS.values() for test in mutant.tests))
     survivors = []
     for name, (path, edits, tests) in {
-        "(control: no mutation)": Named("trainer/losses.py", [], everything),
+        "(control: no mutation)": Named("pacerl/trainer/losses.py", [], everything),
         **NAMED_MUTANTS,
     }.items():
         with tempfile.TemporaryDirectory(prefix="named-mutant-") as scratch:
             tree = Path(scratch)
-            shutil.copytree("trainer", tree / "trainer")
+            shutil.copytree("pacerl", tree / "pacerl")  # the links followed: a copy of every part
             shutil.copytree("tests", tree / "tests")
             shutil.copy("pyproject.toml", tree)
             text = (tree / path).read_text()
@@ -262,7 +267,7 @@ def check_named() -> list[str]:
                     raise SystemExit(f"named mutant {name!r}: {old!r} is not in {path} exactly once")
                 text = text.replace(old, new)
             (tree / path).write_text(text)
-            # The copy's trainer comes first on the path; the other packages import as installed.
+            # The copy of pacerl comes first on the path, so the tests import its (mutated) trainer.
             env = os.environ | {"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
             command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
             run = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=False)

@@ -123,9 +123,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
-from agents.models import checkpoint_layout, moe_info
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.engine.protocol import FinishReason, Generation, SamplingParams
+from pacerl.agents.models import checkpoint_layout, moe_info
 
 TOP_K_ALL = 1 << 30
 """SGLang's "whole vocabulary" top_k (what -1 becomes)."""

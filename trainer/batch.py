@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from agents.models import check_replay_support
-from agents.trajectory import Trajectory
-from trainer.losses import token_logprobs
-from trainer.replay import ReplayStats, routing_replay
+from pacerl.agents.models import check_replay_support
+from pacerl.agents.trajectory import Trajectory
+from pacerl.trainer.losses import token_logprobs
+from pacerl.trainer.replay import ReplayStats, routing_replay
 
 
 @dataclass(frozen=True)

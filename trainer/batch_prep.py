@@ -1,7 +1,7 @@
 """From a batch of trajectory groups to what the learner's updates train on.
 
 `prepare_batch` keeps the trajectories that carry signal and gives each its advantage from the chosen
-estimator (`trainer.advantages`) and the index of its group; `update_plan` splits the kept groups,
+estimator (`pacerl.trainer.advantages`) and the index of its group; `update_plan` splits the kept groups,
 shuffled, into the step's mini-batches of whole groups, one optimizer update each, for every epoch
 (AReaL's `ppo_n_minibatches`, verl's `ppo_mini_batch_size` and `ppo_epochs`); `micro_batches` splits one
 update's members into forward/backward chunks of whole groups. Trajectories are named by their
@@ -24,8 +24,8 @@ from typing import Literal
 
 import torch
 
-from agents.trajectory import Trajectory
-from trainer.advantages import dr_grpo_advantages, grpo_advantages, reinforce_pp_baseline_advantages
+from pacerl.agents.trajectory import Trajectory
+from pacerl.trainer.advantages import dr_grpo_advantages, grpo_advantages, reinforce_pp_baseline_advantages
 
 AdvantageName = Literal["grpo", "dr_grpo", "reinforce_pp"]
 ADVANTAGES: tuple[AdvantageName, ...] = ("grpo", "dr_grpo", "reinforce_pp")

@@ -10,11 +10,11 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.evaluation.config import EvalConfig
-from agents.evaluation.play import evaluate
-from envs import Task, ToolEnv
-from trainer.loop import Run
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.evaluation.config import EvalConfig
+from pacerl.agents.evaluation.play import evaluate
+from pacerl.envs import Task, ToolEnv
+from pacerl.trainer.loop import Run
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """Staleness filters, each declared once as a `StalenessFilter` with the traits the pool, the loop and the
 run config read from it, and their registry (`FILTERS`): the built-ins (`none`, `max_age`, `admission`,
-`pace`: their rules are the pool's own methods, `trainer.pool`) and a user's, named
+`pace`: their rules are the pool's own methods, `pacerl.trainer.pool`) and a user's, named
 `filter.name=module:NAME` as a user's env is named `module:Name-v0`:
 
     # my_filters.py
-    from trainer.filters import StalenessFilter
+    from pacerl.trainer.filters import StalenessFilter
 
     def newest_first(pool, batch_groups, v_now, drift):
         order = list(range(len(pool.pooled_groups())))[::-1]
@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from trainer.plugins import Registry
-from trainer.pool import (
+from pacerl.trainer.plugins import Registry
+from pacerl.trainer.pool import (
     AdmissionSettings,
     DriftScorer,
     MaxAgeSettings,

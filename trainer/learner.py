@@ -1,15 +1,16 @@
-"""The learner: one optimizer step on a batch of trajectory groups, with every loss of `trainer.losses`
+"""The learner: one optimizer step on a batch of trajectory groups, with every loss of `pacerl.trainer.losses`
 one config switch away, R3 routing replay, and bad input turned into counted skips.
 
 `Learner` coordinates the pieces of a step, each in a module of its own:
 
-- `trainer.batch_prep`: the trajectories that carry signal, their advantages, the update plan;
-- `trainer.scoring`: the model's log-probs as the learner takes them (R3 replay, temperature, device),
+- `pacerl.trainer.batch_prep`: the trajectories that carry signal, their advantages, the update plan;
+- `pacerl.trainer.scoring`: the model's log-probs as the learner takes them (R3 replay, temperature, device),
   the proximal pass, PACE's prefix drift and the training–inference mismatch;
-- `trainer.update_step`: one optimizer update, exactly micro-batched, with the policy loss, SAT's
+- `pacerl.trainer.update_step`: one optimizer update, exactly micro-batched, with the policy loss, SAT's
   quantile over the mini-batch, the entropy bonus, the KL to the reference, and the gradient clip;
-- `trainer.step_metrics`: the step's figures; `trainer.learner_state`: published weights, checkpoints;
-  `trainer.model_setup`: the MoE layout, gradient checkpointing and the frozen reference.
+- `pacerl.trainer.step_metrics`: the step's figures; `pacerl.trainer.learner_state`: published weights,
+checkpoints;
+  `pacerl.trainer.model_setup`: the MoE layout, gradient checkpointing and the frozen reference.
 
 Updates per batch. `train_step` shuffles the batch's groups and splits them into `minibatches` disjoint
 mini-batches of whole groups, one optimizer update each, for `epochs` passes (AReaL's
@@ -27,9 +28,9 @@ took, as AReaL's global step and verl's training step do. Staleness (a trajector
 therefore measured in batches.
 
 Skips, each counted in `Learner.counts` under its reason and never reaching the weights:
-`failed_member`, `empty_response` and `zero_advantage` (left out of the batch: `trainer.batch_prep`),
+`failed_member`, `empty_response` and `zero_advantage` (left out of the batch: `pacerl.trainer.batch_prep`),
 `no_signal` (nothing left in the batch: no update), `nonfinite_logprobs` and `nonfinite_grad` (the
-update is abandoned, the weights stay as they were: `trainer.update_step`). Routes recorded for another
+update is abandoned, the weights stay as they were: `pacerl.trainer.update_step`). Routes recorded for another
 model shape are a configuration error: ValueError.
 """
 
@@ -45,10 +46,10 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from agents.models import check_replay_support
-from agents.trajectory import Trajectory
-from trainer.batch import TokenBatch
-from trainer.batch_prep import (
+from pacerl.agents.models import check_replay_support
+from pacerl.agents.trajectory import Trajectory
+from pacerl.trainer.batch import TokenBatch
+from pacerl.trainer.batch_prep import (
     ADVANTAGES,
     AdvantageName,
     AdvantageStd,
@@ -57,8 +58,8 @@ from trainer.batch_prep import (
     prepare_batch,
     update_plan,
 )
-from trainer.distributed import MixedPrecision, Ranks, shard
-from trainer.learner_state import (
+from pacerl.trainer.distributed import MixedPrecision, Ranks, shard
+from pacerl.trainer.learner_state import (
     TrainedModules,
     load_memory_state,
     load_state,
@@ -66,11 +67,11 @@ from trainer.learner_state import (
     publishable_weights,
     save_state,
 )
-from trainer.model_setup import enable_gradient_checkpointing, frozen_copy, moe_layout
-from trainer.policy_losses import LossConfig, check_choice
-from trainer.scoring import Scorer
-from trainer.step_metrics import StepTotals, batch_figures, update_figures
-from trainer.update_step import UpdateStep
+from pacerl.trainer.model_setup import enable_gradient_checkpointing, frozen_copy, moe_layout
+from pacerl.trainer.policy_losses import LossConfig, check_choice
+from pacerl.trainer.scoring import Scorer
+from pacerl.trainer.step_metrics import StepTotals, batch_figures, update_figures
+from pacerl.trainer.update_step import UpdateStep
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class LearnerConfig:
     """Leave out groups whose rewards are all equal (they carry no signal)."""
     parallel: Literal["none", "fsdp"] = "none"
     """none: one process holds the model; fsdp: `world_size` ranks each hold a shard of the parameters,
-    gradients and optimizer state (PyTorch FSDP2, `trainer.distributed`) and share every update's
+    gradients and optimizer state (PyTorch FSDP2, `pacerl.trainer.distributed`) and share every update's
     micro-batches; the update equals one process's."""
     world_size: int = 1
     """Ranks of `parallel=fsdp` (`pacerl train` starts them; under torchrun, its WORLD_SIZE)."""
@@ -166,7 +167,7 @@ class StepResult:
 class LearnerLike(Protocol):
     """What the training loop needs of a learner: a `Learner` in this process, or a handle on one that
     runs elsewhere (a Ray actor, `pacerl.ray_runtime.learner.RemoteLearner`) or across ranks
-    (`trainer.distributed.LearnerGroup`)."""
+    (`pacerl.trainer.distributed.LearnerGroup`)."""
 
     @property
     def version(self) -> int:
@@ -320,7 +321,8 @@ class Learner:
         )
 
     def _update_plan(self, prepared: PreparedBatch) -> list[PlannedUpdate]:
-        """(epoch, trajectory positions) of each update of this step (`trainer.batch_prep.update_plan`)."""
+        """(epoch, trajectory positions) of each update of this step
+        (`pacerl.trainer.batch_prep.update_plan`)."""
         config = self.config
         return update_plan(
             prepared.group_index,
@@ -348,7 +350,7 @@ class Learner:
         return self._scorer.prefix_drift(trajectories, self.config.micro_batch_size)
 
     def mismatch(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-        """Training–inference mismatch with and without R3 (`trainer.scoring.Scorer.mismatch`)."""
+        """Training–inference mismatch with and without R3 (`pacerl.trainer.scoring.Scorer.mismatch`)."""
         return self._scorer.mismatch(trajectories)
 
     # -- weights and state ----------------------------------------------------------------------------

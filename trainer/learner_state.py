@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from trainer.distributed import is_sharded
+from pacerl.trainer.distributed import is_sharded
 
 LEARNER_SHARDS = "learner"
 """The directory of a checkpoint that holds the learner's torch.distributed.checkpoint shards."""

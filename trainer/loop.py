@@ -3,7 +3,7 @@ the pool while the trainer draws filtered batches from it; weights are published
 engine interrupts and resumes its in-flight rollouts under them).
 
 `Run` holds the parts and implements each named step; `train_sync` and `train_async` only order them.
-A run directory gets `metrics.jsonl` and TensorBoard events (`trainer.metrics`), `batches.jsonl` (the
+A run directory gets `metrics.jsonl` and TensorBoard events (`pacerl.trainer.metrics`), `batches.jsonl` (the
 trajectory ids each step consumed and the ids the filter rejected: the audit trail that proves nothing is
 lost or trained twice), and `checkpoints/`.
 """
@@ -23,15 +23,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-from agents.engine.protocol import Engine
-from agents.rollout import RolloutDriver
-from agents.trajectory import Status, Trajectory
-from envs import Task
-from trainer.checkpoint import Checkpoint, restore_rng, save_checkpoint
-from trainer.host_memory import free_heap_gb, peak_rss_gb, return_free_heap, rss_gb
-from trainer.learner import LearnerLike, StepResult
-from trainer.metrics import MetricsWriter
-from trainer.pool import StalenessSummary, TrajectoryPool, staleness_summary
+from pacerl.agents.engine.protocol import Engine
+from pacerl.agents.rollout import RolloutDriver
+from pacerl.agents.trajectory import Status, Trajectory
+from pacerl.envs import Task
+from pacerl.trainer.checkpoint import Checkpoint, restore_rng, save_checkpoint
+from pacerl.trainer.host_memory import free_heap_gb, peak_rss_gb, return_free_heap, rss_gb
+from pacerl.trainer.learner import LearnerLike, StepResult
+from pacerl.trainer.metrics import MetricsWriter
+from pacerl.trainer.pool import StalenessSummary, TrajectoryPool, staleness_summary
 
 log = logging.getLogger(__name__)
 
@@ -466,7 +466,7 @@ class Run:
         )
 
     async def restore(self, checkpoint: Checkpoint) -> None:
-        """Continue from a checkpoint (`trainer.checkpoint.load_checkpoint`): weights (published to the
+        """Continue from a checkpoint (`pacerl.trainer.checkpoint.load_checkpoint`): weights (published to the
         engine), optimizer, cursor, pool and the partial rollouts, which `produce` resumes first. Logs
         past the checkpoint are cut."""
         state = checkpoint.state

@@ -12,8 +12,8 @@ Micro-batching. A caller that splits one batch into parts and accumulates gradie
 whole batch's figures, so that the parts' losses sum to the whole batch's loss exactly, for token means
 and sequence means alike: `denominator` (the batch's count of what the mean is over: trainable tokens for
 token means, sequences with trainable tokens for sequence means; each loss declares which in
-`trainer.policy_losses`) and `sat_threshold` (SAT's quantile over the whole batch, from `sat_threshold` on
-the batch's staleness).
+`pacerl.trainer.policy_losses`) and `sat_threshold` (SAT's quantile over the whole batch, from `sat_threshold`
+on the batch's staleness).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import numpy as np
 from tensorboardX import SummaryWriter
 
-from envs.jsonl import read_jsonl
+from pacerl.envs.jsonl import read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"

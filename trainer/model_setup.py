@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from agents.models import moe_info
+from pacerl.agents.models import moe_info
 
 
 def moe_layout(model: nn.Module) -> tuple[int, int]:

@@ -9,8 +9,8 @@ a plain function of `(LossInputs, LossConfig)`, taken with the default traits), 
 named `module:Name-v0`:
 
     # my_losses.py
-    from trainer.policy_losses import LossInputs, PolicyLoss
-    from trainer.losses import gspo_loss, ClipConfig
+    from pacerl.trainer.policy_losses import LossInputs, PolicyLoss
+    from pacerl.trainer.losses import gspo_loss, ClipConfig
 
     @dataclass(frozen=True)
     class Settings:
@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch
 
-from trainer.losses import (
+from pacerl.trainer.losses import (
     ClipConfig,
     LossOutput,
     SATConfig,
@@ -45,7 +45,7 @@ from trainer.losses import (
     grpo_loss,
     gspo_loss,
 )
-from trainer.plugins import Registry, chosen_settings
+from pacerl.trainer.plugins import Registry, chosen_settings
 
 Anchor = Literal["behaviour", "recompute"]
 Aggregation = Literal["sequence", "token"]
@@ -329,7 +329,7 @@ class LossConfig:
     name: str = "gspo"
     """gspo | gspo_token (GSPO, arXiv 2507.18071), grpo (token clip), decoupled_ppo (AReaL's proximal
     policy with a behaviour weight), gmc (group-mass capping, arXiv 2610.01896), or a user's loss as
-    module:name (`trainer.policy_losses`)."""
+    module:name (`pacerl.trainer.policy_losses`)."""
     eps_low: float = 0.2
     """Lower clip radius of gspo, gspo_token, grpo and decoupled_ppo (the SAT paper's comparisons use 0.2
     on both sides)."""
@@ -340,7 +340,7 @@ class LossConfig:
     sat_quantile: float = 0.9
     """SAT gates entries whose |log π_θ − log μ| exceeds this quantile of the mini-batch."""
     sat_kernel: Literal["cauchy", "rational"] = "cauchy"
-    """SAT's contraction kernel (a reconstruction; see `trainer.losses.sat_bounds`)."""
+    """SAT's contraction kernel (a reconstruction; see `pacerl.trainer.losses.sat_bounds`)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the initial policy (0: no reference model is kept)."""
     entropy_coef: float = 0.0

@@ -21,7 +21,7 @@ advantages (GRPO) always see every member of a group. The PACE paper does not sa
 (docs/algorithms.md §6, "Group handling"); ranking a group by the mean S_eff of its members is the option the
 spec lists first, and it never needs regeneration of removed members.
 
-Staleness terms (GS, WS) come from the trajectory record alone (`agents.trajectory`). A finished member
+Staleness terms (GS, WS) come from the trajectory record alone (`pacerl.agents.trajectory`). A finished member
 without model tokens (an episode that failed before its first generation) has nothing stale: GS = 0 and
 no token ages; its S_eff is its WS.
 """
@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from agents.trajectory import Status, Trajectory
-from trainer.plugins import chosen_settings
+from pacerl.agents.trajectory import Status, Trajectory
+from pacerl.trainer.plugins import chosen_settings
 
 if TYPE_CHECKING:
-    from trainer.filters import StalenessFilter
+    from pacerl.trainer.filters import StalenessFilter
 
 
 DriftScorer: TypeAlias = Callable[[Sequence[Trajectory]], Sequence[float] | npt.NDArray[np.floating[Any]]]
@@ -173,7 +173,7 @@ class FilterConfig:
         """The chosen filter."""
         # trainer.filters declares the built-in filters with the pool's own selection methods, so it
         # imports this module: the lookup is imported here, when a config is built, not at import time.
-        from trainer.filters import staleness_filter
+        from pacerl.trainer.filters import staleness_filter
 
         return staleness_filter(self.name)
 

@@ -5,7 +5,7 @@ still reach the router:
 
     g_i = I_infer,i · softmax(s_train)_i / Σ_j I_infer,j · softmax(s_train)_j   (norm_topk_prob models)
 
-Each family's router arithmetic comes from its adapter (`agents.models.MOE_ADAPTERS`): Qwen-MoE without
+Each family's router arithmetic comes from its adapter (`pacerl.agents.models.MOE_ADAPTERS`): Qwen-MoE without
 `norm_topk_prob` keeps the un-renormalised probabilities, GraniteMoE and gpt-oss take a softmax over the
 chosen logits, DeepSeek-V3 sigmoid scores times its scaling factor, exactly as each router does.
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from agents.models import MoEInfo, RouteWeights, moe_info
+from pacerl.agents.models import MoEInfo, RouteWeights, moe_info
 
 
 @dataclass

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from agents.trajectory import Trajectory
-from trainer.batch import TokenBatch, collate, forward_logprobs
-from trainer.distributed import Ranks
-from trainer.replay import ReplayStats
+from pacerl.agents.trajectory import Trajectory
+from pacerl.trainer.batch import TokenBatch, collate, forward_logprobs
+from pacerl.trainer.distributed import Ranks
+from pacerl.trainer.replay import ReplayStats
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,9 @@ class Scorer:
     def forward(
         self, batch: TokenBatch, *, replay_routes: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, ReplayStats | None]:
-        """`trainer.batch.forward_logprobs` of the model at the sampling temperature, replaying routes as
-        configured unless `replay_routes` says otherwise. Gradients flow unless the caller disables them."""
+        """`pacerl.trainer.batch.forward_logprobs` of the model at the sampling temperature, replaying routes
+        as configured unless `replay_routes` says otherwise. Gradients flow unless the caller disables
+        them."""
         replay = self.replay_routes if replay_routes is None else replay_routes
         return forward_logprobs(self.model, batch, temperature=self.temperature, replay_routes=replay)
 

@@ -3,7 +3,7 @@
     demos = demonstrations("pacerl/CodeMath-v0", load_tasks("codemath-train"))
     losses = sft(model, demos, SFTConfig(steps=70))
 
-A demonstration is tokenized exactly as the rollout driver (`agents.rollout.RolloutDriver`) records the
+A demonstration is tokenized exactly as the rollout driver (`pacerl.agents.rollout.RolloutDriver`) records the
 same episode: the prompt is the rendered first turn with its generation prompt; each assistant turn is
 what the model would generate (the content and the eos token, as one piece); each tool turn is the text
 the template renders between that assistant message and the next generation prompt, tokenized once.
@@ -22,9 +22,9 @@ import torch
 from torch.nn import functional
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from envs import Message, Task
-from envs.chat_template import render_chat
-from envs.registry import env_class
+from pacerl.envs import Message, Task
+from pacerl.envs.chat_template import render_chat
+from pacerl.envs.registry import env_class
 
 IGNORE_INDEX = -100
 """Label of a token the loss skips (torch's cross-entropy default)."""
@@ -126,7 +126,7 @@ def demonstrations(
     `warm_start_steps` that is no curriculum (`warm_start_stages`; None: the first such).
 
     Deterministic: a task's demonstration depends only on `seed` and the task (not on its neighbours).
-    `tokenizer` defaults to `agents.tokenizer.tiny_tokenizer()`.
+    `tokenizer` defaults to `pacerl.agents.tokenizer.tiny_tokenizer()`.
     """
     cls = env_class(env_id)
     if not cls.warm_start_steps:
@@ -140,7 +140,7 @@ def demonstrations(
     if not tasks:
         raise ValueError("no tasks to demonstrate")
     if tokenizer is None:
-        from agents.tokenizer import tiny_tokenizer  # late: trains the tokenizer on first use
+        from pacerl.agents.tokenizer import tiny_tokenizer  # late: trains the tokenizer on first use
 
         tokenizer = tiny_tokenizer()
     config = replace(cls.default_config(), system_prompt=system_prompt)

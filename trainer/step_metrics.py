@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agents.trajectory import Trajectory
-from trainer.batch import TokenBatch
-from trainer.distributed import Ranks
-from trainer.losses import LossOutput
-from trainer.replay import ReplayStats
+from pacerl.agents.trajectory import Trajectory
+from pacerl.trainer.batch import TokenBatch
+from pacerl.trainer.distributed import Ranks
+from pacerl.trainer.losses import LossOutput
+from pacerl.trainer.replay import ReplayStats
 
 PER_TOKEN = ("loss", "entropy", "kl")
 """Per-micro-batch figures, averaged over every update of the step weighted by trainable tokens."""

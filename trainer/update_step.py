@@ -8,9 +8,9 @@ denominator (its trainable tokens for token means, its sequences for sequence me
 the one-chunk gradient for every loss, with any `micro_batch_size`. The quantile costs a no-grad pass over
 the mini-batch when it spans several micro-batches (the proximal pass serves for the first update).
 
-A micro-batch's loss is its policy loss (`trainer.policy_losses`, a pure function of `LossInputs`), less
-the entropy bonus, plus the k3 KL to the frozen reference (`micro_batch_loss`). Across ranks
-(`trainer.distributed`) each rank forwards and backwards its share of the micro-batches, SAT's quantile
+A micro-batch's loss is its policy loss (`pacerl.trainer.policy_losses`, a pure function of `LossInputs`),
+less the entropy bonus, plus the k3 KL to the frozen reference (`micro_batch_loss`). Across ranks
+(`pacerl.trainer.distributed`) each rank forwards and backwards its share of the micro-batches, SAT's quantile
 is taken over every rank's, and ranks abandon an update together: `nonfinite_logprobs` (a trained
 token's log-prob is not finite) and `nonfinite_grad` (the clipped gradient's norm is not) leave the
 weights as they were.
@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.batch import TokenBatch, forward_logprobs
-from trainer.batch_prep import PreparedBatch, micro_batches
-from trainer.distributed import Ranks
-from trainer.losses import entropy_from_logits, kl_k3, sat_threshold, sequence_staleness
-from trainer.policy_losses import LossConfig, LossInputs, PolicyLoss, sat_config
-from trainer.scoring import Scorer, padded
-from trainer.step_metrics import StepTotals, add_first_pass, add_micro_batch
+from pacerl.trainer.batch import TokenBatch, forward_logprobs
+from pacerl.trainer.batch_prep import PreparedBatch, micro_batches
+from pacerl.trainer.distributed import Ranks
+from pacerl.trainer.losses import entropy_from_logits, kl_k3, sat_threshold, sequence_staleness
+from pacerl.trainer.policy_losses import LossConfig, LossInputs, PolicyLoss, sat_config
+from pacerl.trainer.scoring import Scorer, padded
+from pacerl.trainer.step_metrics import StepTotals, add_first_pass, add_micro_batch
 
 
 def micro_batch_loss(

@@ -37,9 +37,9 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 
-from agents.engine.protocol import ContextOverflowError, FinishReason, Generation, SamplingParams
-from agents.engine.slot_cache import SlotCache, packable, register_slot_attention, slot_attention_on
-from agents.models import moe_info
+from pacerl.agents.engine.protocol import ContextOverflowError, FinishReason, Generation, SamplingParams
+from pacerl.agents.engine.slot_cache import SlotCache, packable, register_slot_attention, slot_attention_on
+from pacerl.agents.models import moe_info
 
 
 @dataclass(frozen=True)

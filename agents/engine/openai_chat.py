@@ -1,6 +1,6 @@
 """Served models through the OpenAI chat-completions API: a client on the official `openai` package for
 any compatible server (SGLang, vLLM, `pacerl serve openai`, a hosted API). Episodes of a served model are
-played message by message in the evaluation room (`agents.evaluation.served`).
+played message by message in the evaluation room (`pacerl.agents.evaluation.served`).
 
 A failed request (an HTTP error, an unreachable server after the client's bounded retries, no choice)
 raises `ServedModelError` with the server's own message, which the episode player records as the

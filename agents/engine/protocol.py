@@ -88,7 +88,7 @@ class Generation:
     """Experts routed to, when asked for and the model is a MoE: `[layers, top_k]` per input position
     from `routed_experts_start` up to the last one whose next token was computed, i.e. rows
     `[routed_experts_start, len(prompt) + len(tokens) - 1)` of SGLang's layout (row p = the forward
-    whose input was position p; see `agents.routing`)."""
+    whose input was position p; see `pacerl.agents.routing`)."""
     routed_experts_start: int = 0
     """The input position of the first row of `routed_experts` (the `routed_experts_start_len` asked
     for; 0: the whole sequence)."""

@@ -4,11 +4,11 @@ Written against sglang 0.5.23, the version pyproject's `sglang` extra pins (the 
 `sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl`, tag v0.5.23 of github.com/sgl-project/sglang).
 `SGLangEngine` coordinates three parts, each in its own module with the server's files it follows:
 
-- `agents.engine.sglang_protocol`: the HTTP API (routes, request bodies, the checks on every answer,
+- `pacerl.agents.engine.sglang_protocol`: the HTTP API (routes, request bodies, the checks on every answer,
   bounded retries) and the errors of talking to a server.
-- `agents.engine.sglang_layout`: which columns of the routed experts are the trained model's MoE
+- `pacerl.agents.engine.sglang_layout`: which columns of the routed experts are the trained model's MoE
   layers, from the model's config.json (`routed_layers`), and the checks on the routes of an answer.
-- `agents.engine.sglang_weights`: weight updates, through disk or by torch.distributed broadcast.
+- `pacerl.agents.engine.sglang_weights`: weight updates, through disk or by torch.distributed broadcast.
 
 The launch line (`launch_command`) follows `python/sglang/srt/arg_groups/fields/exec_.py` and
 `.../serving.py` (`--enable-return-routed-experts`, `--weight-version` (default "default"), `--host`,
@@ -20,7 +20,7 @@ updated by this client (`weight_version` is sent with every update); otherwise i
 version when the request was sent. Requests wait while this client updates weights, so both agree.
 
 MoE layers only. A `Generation`'s routes have the embedded engine's shape, `[rows, MoE layers,
-top_k]` (`agents.engine.sglang_layout`): SGLang's columns of dense layers are checked to be 0 and
+top_k]` (`pacerl.agents.engine.sglang_layout`): SGLang's columns of dense layers are checked to be 0 and
 dropped, and a model SGLang builds with MoE blocks elsewhere is an `SGLangLayoutError` before any
 request asks for routes.
 
@@ -32,7 +32,7 @@ every turn.
 
 Weight updates pause generation: each in-flight request comes back `FinishReason.ABORT` with the
 tokens it had, and the rollout driver resumes it from those tokens as a new segment under the new
-version (`agents.engine.sglang_weights`).
+version (`pacerl.agents.engine.sglang_weights`).
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ from typing import Any, Literal
 import httpx
 import torch
 
-from agents.engine.protocol import ContextOverflowError, Generation, SamplingParams
-from agents.engine.sglang_layout import RoutesLayout, decode_routes, resolve_layout
-from agents.engine.sglang_protocol import (
+from pacerl.agents.engine.protocol import ContextOverflowError, Generation, SamplingParams
+from pacerl.agents.engine.sglang_layout import RoutesLayout, decode_routes, resolve_layout
+from pacerl.agents.engine.sglang_protocol import (
     SGLangError,
     SGLangProtocolError,
     Transport,
@@ -63,7 +63,7 @@ from agents.engine.sglang_protocol import (
     prompt_ids,
     sampling_params,
 )
-from agents.engine.sglang_weights import (
+from pacerl.agents.engine.sglang_weights import (
     WeightGroupLink,
     load_from_disk,
     pause,
@@ -71,8 +71,8 @@ from agents.engine.sglang_weights import (
     resume,
     write_checkpoint,
 )
-from agents.engine.weight_group import describe
-from agents.models import WeightLayout
+from pacerl.agents.engine.weight_group import describe
+from pacerl.agents.models import WeightLayout
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class SGLangOptions:
     """Experts per MoE layer, to check every routed index; None: from config.json, else unchecked."""
     moe_layers: tuple[int, ...] | None = None
     """The decoder layers with a router, whose columns of the routed-experts array are kept (the
-    trained model's MoE layers, `agents.models.moe_info(model).layers`; the other columns must be 0).
+    trained model's MoE layers, `pacerl.agents.models.moe_info(model).layers`; the other columns must be 0).
     None: from config.json (`routed_layers`), else every layer."""
     allow_untruncated_logprobs: bool = False
     """SGLang returns log-probs before top-k/top-p truncation, not those of the distribution sampled
@@ -133,8 +133,8 @@ class SGLangOptions:
     """How a published state_dict reaches the server: "disk", safetensors under `weights_dir` that
     the server loads (`/update_weights_from_disk`); "distributed", a torch.distributed broadcast from
     this process, which the server receives through a group it joins (`/init_weights_update_group`,
-    `/update_weights_from_distributed`; see `agents.engine.sglang_weights`). A checkpoint directory given
-    instead of a state_dict always goes through disk."""
+    `/update_weights_from_distributed`; see `pacerl.agents.engine.sglang_weights`). A checkpoint directory
+    given instead of a state_dict always goes through disk."""
     weight_group_backend: Literal["gloo", "nccl"] | None = None
     """The distributed transport's torch.distributed backend: nccl between GPUs, gloo over TCP (CPU
     tensors); None: nccl when this process sees a CUDA device, else gloo."""
@@ -212,7 +212,7 @@ class SGLangEngine:
     ) -> None:
         self.options = options = options or SGLangOptions()
         self.layout = layout
-        """Renames a published state dict into the layout the server loads (`agents.models.layout_of`:
+        """Renames a published state dict into the layout the server loads (`pacerl.agents.models.layout_of`:
         a checkpoint's, not transformers' fused in-memory experts); None publishes names as given."""
         self._version = version
         self._transport = Transport(
@@ -427,7 +427,8 @@ class SGLangEngine:
             self._no_update.set()
 
     async def _layout_of_routes(self) -> RoutesLayout:
-        """The served model's routes layout, read once (`agents.engine.sglang_layout.resolve_layout`)."""
+        """The served model's routes layout, read once
+        (`pacerl.agents.engine.sglang_layout.resolve_layout`)."""
         if self._routes_layout is None:
             options = self.options
             model_path = (await self.model_info()).get("model_path")

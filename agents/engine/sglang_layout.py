@@ -1,7 +1,7 @@
 """Which columns of SGLang's routed experts are the trained model's MoE layers, from the model's
 config.json, and the checks on the routes an answer carries.
 
-Written against sglang 0.5.23 (see `agents.engine.sglang`), from these files of it:
+Written against sglang 0.5.23 (see `pacerl.agents.engine.sglang`), from these files of it:
 
 - `python/sglang/srt/state_capturer/routed_experts.py`,
   `python/sglang/srt/managers/scheduler_components/batch_result_processor.py` and
@@ -35,7 +35,7 @@ Written against sglang 0.5.23 (see `agents.engine.sglang`), from these files of 
 MoE layers only. A `Generation`'s routes have the embedded engine's shape, `[rows, MoE layers,
 top_k]`: the client keeps the columns of the layers `routed_layers` finds in the model's config.json
 (read at the server's model_path, else in `SGLangOptions.base_model_dir`), which must be the layers
-transformers builds with a router, those the learner replays (`agents.models.moe_info`), and checks
+transformers builds with a router, those the learner replays (`pacerl.agents.models.moe_info`), and checks
 that the columns it drops are 0. A model SGLang builds with MoE blocks elsewhere (a Qwen-MoE
 checkpoint with dense layers) is an `SGLangLayoutError` before any request asks for routes.
 """
@@ -54,9 +54,9 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from agents.engine.protocol import FinishReason
-from agents.engine.sglang_protocol import SGLangProtocolError, positive_int
-from agents.models import MOE_ADAPTERS, moe_info
+from pacerl.agents.engine.protocol import FinishReason
+from pacerl.agents.engine.sglang_protocol import SGLangProtocolError, positive_int
+from pacerl.agents.models import MOE_ADAPTERS, moe_info
 
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 """Where configs of MoE families (Qwen-MoE, Mixtral, DeepSeek) keep the experts per layer."""
@@ -189,7 +189,7 @@ def routed_layers(model_dir: str | os.PathLike[str]) -> tuple[int, ...]:
     """The decoder layers whose columns of SGLang 0.5.23's routed experts hold routes, for the model
     whose config.json is in `model_dir`: those SGLang builds with an MoE block (see the module
     docstring). For a family with an R3 adapter they must be the layers transformers builds with a
-    router, which the learner replays (`agents.models.moe_info`), else `SGLangLayoutError`; a family
+    router, which the learner replays (`pacerl.agents.models.moe_info`), else `SGLangLayoutError`; a family
     without one: every layer."""
     raw = _read_config(str(model_dir))
     layers = positive_int(raw or {}, "num_hidden_layers")

@@ -1,7 +1,7 @@
-"""SGLang's native HTTP API as the SGLang engine (`agents.engine.sglang`) speaks it: the errors, the
+"""SGLang's native HTTP API as the SGLang engine (`pacerl.agents.engine.sglang`) speaks it: the errors, the
 transport (bounded retries, the API key), the request bodies and the checks on every answer.
 
-Written against sglang 0.5.23 (see `agents.engine.sglang`), from these files of it:
+Written against sglang 0.5.23 (see `pacerl.agents.engine.sglang`), from these files of it:
 
 - `python/sglang/srt/entrypoints/http_server.py`: the routes (`POST /generate`, `POST /abort_request`
   answering 200 with no body, `POST /pause_generation` and `/continue_generation` answering
@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from agents.engine.protocol import FinishReason, SamplingParams
+from pacerl.agents.engine.protocol import FinishReason, SamplingParams
 
 MAX_STOP_STRINGS = 32
 """SGLang's `MAX_STOP_COUNT`: more stop strings are refused by the server."""
@@ -271,7 +271,7 @@ class Answer:
     versions: tuple[int, ...]
     finish: FinishReason
     routed_experts: Any
-    """`meta_info.routed_experts` as sent (checked by `agents.engine.sglang_layout.decode_routes`)."""
+    """`meta_info.routed_experts` as sent (checked by `pacerl.agents.engine.sglang_layout.decode_routes`)."""
 
 
 def parse_answer(answer: Any, prompt_len: int, sent_version: int, where: str) -> Answer:

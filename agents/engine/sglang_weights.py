@@ -1,4 +1,4 @@
-"""How the SGLang engine (`agents.engine.sglang`) gets new weights into its server.
+"""How the SGLang engine (`pacerl.agents.engine.sglang`) gets new weights into its server.
 
 Through disk by default: a state_dict is written as safetensors (plus the base model's config files)
 into `SGLangOptions.weights_dir` (`write_checkpoint`), then generation is paused with mode "abort"
@@ -8,7 +8,7 @@ request comes back `FinishReason.ABORT` with the tokens it had; the rollout driv
 those tokens as a new segment under the new version.
 
 With `weight_transport="distributed"` the tensors go by torch.distributed broadcast instead (SGLang's
-path for GPU clusters; `agents.engine.weight_group` cites the server's side; `WeightGroupLink`): once,
+path for GPU clusters; `pacerl.agents.engine.weight_group` cites the server's side; `WeightGroupLink`): once,
 this client hosts a rendezvous store, asks the server to join a group through it (`POST
 /init_weights_update_group`, the server's tensor-parallel workers taking ranks 1..tp_size) and forms
 the group as rank 0; then each publication pauses generation as above, opens a weight-update session
@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
-from agents.engine.sglang_protocol import (
+from pacerl.agents.engine.sglang_protocol import (
     SGLangError,
     SGLangProtocolError,
     SGLangRequestError,
@@ -46,7 +46,7 @@ from agents.engine.sglang_protocol import (
     Transport,
     positive_int,
 )
-from agents.engine.weight_group import GroupBackend, WeightBroadcastGroup, WeightManifest
+from pacerl.agents.engine.weight_group import GroupBackend, WeightBroadcastGroup, WeightManifest
 
 _T = TypeVar("_T")
 _log = logging.getLogger(__name__)

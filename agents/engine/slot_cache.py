@@ -1,4 +1,4 @@
-"""The embedded engine's KV cache and its packed attention (`agents.engine.embedded`).
+"""The embedded engine's KV cache and its packed attention (`pacerl.agents.engine.embedded`).
 
 The running requests are the rows of one left-padded KV cache held in buffers that are allocated
 once and grown rarely (`SlotCache`): every row's last input sits in the same column, so one decode

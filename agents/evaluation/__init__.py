@@ -10,5 +10,6 @@
 - `suites`: a suite's benchmarks evaluated one by one and laid out as papers' tables.
 
 `pacerl eval` (the front door) builds the engine or client and the envs from the run config and calls
-these; the training loop's background evaluator (`trainer.evaluator`) schedules `evaluate` on snapshots.
+these; the training loop's background evaluator (`pacerl.trainer.evaluator`) schedules `evaluate` on
+snapshots.
 """

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from envs.search import SEARCH_R1_STOP, search_r1_question
-from envs.tasks import Task
+from pacerl.envs.search import SEARCH_R1_STOP, search_r1_question
+from pacerl.envs.tasks import Task
 
 MIRROR_ENV = "PACERL_BENCHMARK_DIR"
 """Environment variable naming a local mirror directory: `<dir>/<benchmark>.parquet` (or `.jsonl`,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from agents.engine.protocol import SamplingParams
-from agents.rollout import RolloutConfig
+from pacerl.agents.engine.protocol import SamplingParams
+from pacerl.agents.rollout import RolloutConfig
 
 
 @dataclass(frozen=True)

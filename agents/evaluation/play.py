@@ -16,14 +16,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from agents.engine.openai_chat import OpenAIChatClient
-from agents.engine.protocol import Engine
-from agents.evaluation.config import EvalConfig
-from agents.evaluation.report import EpisodeOutcome, EvalReport, build_report, trajectory_outcome
-from agents.evaluation.served import ServedEpisode, play_episode
-from agents.rollout import RolloutDriver
-from agents.trajectory import Trajectory
-from envs import Task, ToolEnv
+from pacerl.agents.engine.openai_chat import OpenAIChatClient
+from pacerl.agents.engine.protocol import Engine
+from pacerl.agents.evaluation.config import EvalConfig
+from pacerl.agents.evaluation.report import EpisodeOutcome, EvalReport, build_report, trajectory_outcome
+from pacerl.agents.evaluation.served import ServedEpisode, play_episode
+from pacerl.agents.rollout import RolloutDriver
+from pacerl.agents.trajectory import Trajectory
+from pacerl.envs import Task, ToolEnv
 
 Episode = TypeVar("Episode")
 

@@ -16,10 +16,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from agents.evaluation.config import EvalConfig
-from agents.evaluation.scores import avg_at_k, pass_at_k
-from agents.trajectory import Origin, Status, Trajectory
-from envs import Task
+from pacerl.agents.evaluation.config import EvalConfig
+from pacerl.agents.evaluation.scores import avg_at_k, pass_at_k
+from pacerl.agents.trajectory import Origin, Status, Trajectory
+from pacerl.envs import Task
 
 
 @dataclass(frozen=True)

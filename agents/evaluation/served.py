@@ -1,6 +1,6 @@
-"""Episodes of a served model, played message by message: the rollout driver (`agents.rollout`) is
-token-level, a chat-completions endpoint (`agents.engine.openai_chat`) is message-level, so its episodes
-are played here:
+"""Episodes of a served model, played message by message: the rollout driver (`pacerl.agents.rollout`) is
+token-level, a chat-completions endpoint (`pacerl.agents.engine.openai_chat`) is message-level, so its
+episodes are played here:
 
     reset → messages + the env's tools → chat.completions → the answer's structured `tool_calls`
     written as the env's `<tool_call>{json}</tool_call>` action → `astep` → each tool observation sent
@@ -24,12 +24,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agents.engine.openai_chat import ChatAnswer, ChatToolCall, OpenAIChatClient, ServedModelError
-from agents.evaluation.config import EvalConfig
-from agents.evaluation.report import EpisodeOutcome
-from agents.trajectory import Status
-from envs import Task, ToolEnv
-from envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from pacerl.agents.engine.openai_chat import ChatAnswer, ChatToolCall, OpenAIChatClient, ServedModelError
+from pacerl.agents.evaluation.config import EvalConfig
+from pacerl.agents.evaluation.report import EpisodeOutcome
+from pacerl.agents.trajectory import Status
+from pacerl.envs import Task, ToolEnv
+from pacerl.envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 NOT_RUN = (
     "Error: this call was not run (the episode's tool-call budget or the per-message cap on calls was "

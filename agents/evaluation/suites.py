@@ -1,5 +1,5 @@
-"""Benchmark suites: evaluate every benchmark of a suite (`agents.evaluation.benchmarks`) and report avg@k
-and pass@k per benchmark and their average, as the tables of papers do.
+"""Benchmark suites: evaluate every benchmark of a suite (`pacerl.agents.evaluation.benchmarks`) and report
+avg@k and pass@k per benchmark and their average, as the tables of papers do.
 
     result = run_suite("math", evaluate_benchmark, label="Qwen3-1.7B")
     print(result.table())        # benchmarks as columns, then Avg.; rows avg@k and pass@k per model
@@ -27,9 +27,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from agents.evaluation.benchmarks import Benchmark, suite_benchmarks
-from agents.evaluation.config import EvalConfig
-from agents.evaluation.report import EvalReport
+from pacerl.agents.evaluation.benchmarks import Benchmark, suite_benchmarks
+from pacerl.agents.evaluation.config import EvalConfig
+from pacerl.agents.evaluation.report import EvalReport
 
 
 @dataclass(frozen=True)

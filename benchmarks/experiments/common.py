@@ -19,7 +19,7 @@ from typing import Any
 
 from pacerl.lab.calibration import collapse_step
 from pacerl.plots import save_png
-from trainer.metrics import read_metrics
+from pacerl.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY = "arm.json"  # beside the run's own summary.json

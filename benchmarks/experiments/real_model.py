@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ROOT, Arm, format_ci, markdown_table, run_and_report, write_results
 
-from trainer.metrics import read_metrics
+from pacerl.trainer.metrics import read_metrics
 
 CONFIG = ROOT / "configs" / "smollm2-codemath.toml"
 SETS = {"val": "codemath-val", "heldout": "codemath-heldout"}

@@ -36,8 +36,8 @@ class CheckError(RuntimeError):
 def build_model(out: Path, layers: int, experts: int, max_position: int) -> dict[str, Any]:
     """Save a random-weight Qwen3-MoE of Qwen3-30B-A3B's width with `layers` layers and `experts`
     experts, and pacerl's offline tokenizer, as a Hugging Face checkpoint in `out` (nothing downloaded)."""
-    from agents.models import TinyMoEConfig, build_tiny_moe, parameter_count, save_model
-    from agents.tokenizer import tiny_tokenizer
+    from pacerl.agents.models import TinyMoEConfig, build_tiny_moe, parameter_count, save_model
+    from pacerl.agents.tokenizer import tiny_tokenizer
 
     if experts < QWEN3_30B_A3B["top_k"]:
         raise CheckError(f"--experts must be at least top_k = {QWEN3_30B_A3B['top_k']}, got {experts}")

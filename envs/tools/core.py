@@ -32,7 +32,7 @@ from typing import Any, get_type_hints, overload
 
 import pydantic
 
-from sandbox import ExecResult, Limits, Sandbox, SandboxUsageError, Session
+from pacerl.sandbox import ExecResult, Limits, Sandbox, SandboxUsageError, Session
 
 
 class ToolError(Exception):

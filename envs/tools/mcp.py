@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pydantic
 
-from envs.tools.core import TOOLS, SandboxPolicy, Tool, ToolContext, ToolError
-from sandbox import ExecStatus, Limits, SandboxUsageError, Session
+from pacerl.envs.tools.core import TOOLS, SandboxPolicy, Tool, ToolContext, ToolError
+from pacerl.sandbox import ExecStatus, Limits, SandboxUsageError, Session
 
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream

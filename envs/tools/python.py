@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from envs.tools.core import SandboxPolicy, ToolContext, ToolError, tool
-from sandbox import ExecResult, ExecStatus, Limits
+from pacerl.envs.tools.core import SandboxPolicy, ToolContext, ToolError, tool
+from pacerl.sandbox import ExecResult, ExecStatus, Limits
 
 PYTHON_POLICY = SandboxPolicy(limits=Limits(timeout_s=10, memory_mb=512, output_cap_bytes=4096))
 

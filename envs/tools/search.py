@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import httpx
 import pydantic
 
-from envs.tools.core import ToolContext, ToolError, tool
+from pacerl.envs.tools.core import ToolContext, ToolError, tool
 
 SEARCH_TIMEOUT_S = 10.0
 

@@ -368,7 +368,7 @@ def run_point(
 ) -> dict[str, Any]:
     """Train one point from scratch (`pacerl train`, its output in RUN_DIR/train.log) and write its
     record, RUN_DIR/point.json: the settings and the per-step series the report is computed from."""
-    from trainer.metrics import read_metrics
+    from pacerl.trainer.metrics import read_metrics
 
     shutil.rmtree(run_dir, ignore_errors=True)  # a point interrupted mid-way starts over
     run_dir.mkdir(parents=True)

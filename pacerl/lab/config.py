@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeAlias
 
 from pacerl.lab.costs import InferenceConfig, TrainerConfig, WorkloadConfig, check_float, check_int
 from pacerl.settings import settings_into
-from trainer.pool import FilterConfig, PaceSettings
+from pacerl.trainer.pool import FilterConfig, PaceSettings
 
 Interrupt: TypeAlias = Literal["reprefill", "continue"]
 SyncBaseline: TypeAlias = Literal["colocated", "split"]
@@ -30,7 +30,7 @@ SyncBaseline: TypeAlias = Literal["colocated", "split"]
 def cluster_filter(batch_groups: int) -> FilterConfig:
     """The simulator's filter for batches of `batch_groups` groups: PACE with a target of one batch
     waiting and eight batches in flight, enough rows to keep a cluster's engines busy. (A training run's
-    own defaults, `trainer.pool.FilterConfig`, fit the batches of a laptop run instead.)"""
+    own defaults, `pacerl.trainer.pool.FilterConfig`, fit the batches of a laptop run instead.)"""
     return FilterConfig(
         name="pace", max_concurrent_groups=8 * batch_groups, pace=PaceSettings(target_groups=batch_groups)
     )
@@ -58,7 +58,7 @@ class SimConfig:
     sync_interval: int = 1
     """S: weights are published every S updates (sync: a round generates S·B groups). >= 1."""
     filter: FilterConfig = field(default_factory=_default_filter)
-    """The pool's staleness filter and its knobs (`trainer.pool.FilterConfig`), including
+    """The pool's staleness filter and its knobs (`pacerl.trainer.pool.FilterConfig`), including
     `max_concurrent_groups`, the producer's in-flight cap; default `cluster_filter(batch_groups)`."""
     seed: int = 0
     """Seed of every sample (lengths, latencies, drift sensitivities). >= 0."""

@@ -59,19 +59,19 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
-from agents.engine.protocol import ContextOverflowError, Generation, SamplingParams
-from agents.rollout import RolloutDriver
-from agents.trajectory import Status, Trajectory
-from envs import Task
+from pacerl.agents.engine.protocol import ContextOverflowError, Generation, SamplingParams
+from pacerl.agents.rollout import RolloutDriver
+from pacerl.agents.trajectory import Status, Trajectory
+from pacerl.envs import Task
 from pacerl.lab.config import SimConfig
 from pacerl.lab.engine import _TOOL, _Simulation
 from pacerl.lab.presets import PRESETS
 from pacerl.lab.results import Mode, ModeResult
 from pacerl.lab.state import EngineState, Episode, Group
 from pacerl.settings import config_to_dict
-from trainer.learner import StepResult
-from trainer.loop import Run
-from trainer.pool import FilterConfig, StalenessSummary, TrajectoryPool, staleness_summary
+from pacerl.trainer.learner import StepResult
+from pacerl.trainer.loop import Run
+from pacerl.trainer.pool import FilterConfig, StalenessSummary, TrajectoryPool, staleness_summary
 
 _T = TypeVar("_T")
 

@@ -1,9 +1,9 @@
 """A discrete-event simulation of the asynchronous pipeline at cluster scale (`pacerl simulate`).
 
 It runs this project's own scheduling code against simulated time instead of real engines: the pool
-(`trainer.pool.TrajectoryPool`) decides admission (`admission`, AReaL's capacity under the `admission`
+(`pacerl.trainer.pool.TrajectoryPool`) decides admission (`admission`, AReaL's capacity under the `admission`
 filter), rejection and batch selection (`select`, with every filter: none, max_age, admission, pace),
-on real `agents.trajectory.Trajectory` records whose segments carry the simulated policy versions and
+on real `pacerl.agents.trajectory.Trajectory` records whose segments carry the simulated policy versions and
 times, so Generation and Waiting Staleness come from the record itself. The loop around it mirrors
 `trainer/loop.py`: the producer starts as many groups as `admission` allows whenever a group finishes
 or the trainer's version moves; the trainer draws a batch when at least `batch_groups` groups wait,
@@ -33,12 +33,12 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from agents.trajectory import Origin, Trajectory
+from pacerl.agents.trajectory import Origin, Trajectory
 from pacerl.lab.config import SimConfig
 from pacerl.lab.records import DriftScorer, RecordMaker
 from pacerl.lab.results import Mode, ModeResult, SimResult, StalenessStats, bounds
 from pacerl.lab.state import EngineState, Episode, Group, RunStats, SampleStream
-from trainer.pool import FilterConfig, TrajectoryPool
+from pacerl.trainer.pool import FilterConfig, TrajectoryPool
 
 _EPS = 1e-9
 
@@ -478,7 +478,7 @@ class _Simulation:
 
     def step_updated(self) -> bool:
         """Whether the step that just ended changed the weights (a real learner skips a batch without
-        signal, `trainer.learner.StepResult.updated`); every simulated step does."""
+        signal, `pacerl.trainer.learner.StepResult.updated`); every simulated step does."""
         return True
 
     def publish(self) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pacerl.lab.config import SimConfig
 from pacerl.lab.costs import Distribution, InferenceConfig, TrainerConfig, WorkloadConfig
-from trainer.pool import AdmissionSettings, FilterConfig, PaceSettings
+from pacerl.trainer.pool import AdmissionSettings, FilterConfig, PaceSettings
 
 
 @dataclass(frozen=True)

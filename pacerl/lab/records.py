@@ -1,4 +1,4 @@
-"""What the simulator hands the real pool: finished episodes as `agents.trajectory.Trajectory` records,
+"""What the simulator hands the real pool: finished episodes as `pacerl.agents.trajectory.Trajectory` records,
 and the drift model PACE ranks them by.
 
 Records hold synthetic token ids. With `token_block` > 1 one record token stands for that many real
@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from agents.trajectory import Origin, Segment, Status, Trajectory
+from pacerl.agents.trajectory import Origin, Segment, Status, Trajectory
 from pacerl.lab.state import Episode
 
 _new_segment = Segment.__new__

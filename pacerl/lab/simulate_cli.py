@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from pacerl.lab.presets import Preset
 
 FILTERS = ("none", "max_age", "admission", "pace")
-"""trainer.filters.BUILT_IN_FILTERS (a test keeps them equal): listed here so the parser imports no torch."""
+"""pacerl.trainer.filters.BUILT_IN_FILTERS (a test keeps them equal): listed here so the parser imports no
+torch."""
 PRESET_NAMES = ("areal", "verl", "pacerl-cpu")
 """pacerl.lab.presets.PRESETS' names (a test keeps them equal)."""
 SIMULATION_FILE = "simulation.json"
@@ -170,7 +171,7 @@ def build_config(args: argparse.Namespace) -> tuple[SimConfig, Preset | None]:
             source = f"--config {args.config}" if args.config is not None else "key=value"
             raise ValueError(f"{source}: {error}") from None
     if args.trace is not None:
-        from agents.trajectory_io import load_jsonl
+        from pacerl.agents.trajectory_io import load_jsonl
 
         try:
             workload = workload_from_trace(

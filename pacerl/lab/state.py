@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from agents.trajectory import Origin, Trajectory
+from pacerl.agents.trajectory import Origin, Trajectory
 from pacerl.lab.costs import Distribution
-from trainer.pool import HIST_BINS
+from pacerl.trainer.pool import HIST_BINS
 
 
 class SampleStream:

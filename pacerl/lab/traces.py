@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from agents.trajectory import Origin, Status, Trajectory
+from pacerl.agents.trajectory import Origin, Status, Trajectory
 from pacerl.lab.costs import Distribution, WorkloadConfig
 
 
 def workload_from_trace(trajectories: Sequence[Trajectory], group_size: int | None = None) -> WorkloadConfig:
-    """A workload resampled from measured trajectory records (`agents.trajectory_io.load_jsonl`): empirical
-    prompt lengths, turns, tokens per turn (a turn is a run of model segments, interruptions merged),
-    tool-response tokens, and tool latency (from a turn's last model segment ending to the next turn's
-    first one starting: the tool plus the env step). `group_size` defaults to the most common group
+    """A workload resampled from measured trajectory records (`pacerl.agents.trajectory_io.load_jsonl`):
+    empirical prompt lengths, turns, tokens per turn (a turn is a run of model segments, interruptions
+    merged), tool-response tokens, and tool latency (from a turn's last model segment ending to the next
+    turn's first one starting: the tool plus the env step). `group_size` defaults to the most common group
     size in the trace."""
     finished = [t for t in trajectories if t.status is not Status.RUNNING]
     if not finished:

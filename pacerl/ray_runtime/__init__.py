@@ -8,7 +8,7 @@ The runtime only decides where each part runs. The driver process keeps the `Run
   replica sent again to another one, so the driver sees one continuous generation;
 - a `RemoteEnv` where it had an env: the episode lives on an environment worker; when the worker dies
   the episode is rebuilt on another one by replaying its completed actions (or, if that fails, the
-  driver plays it again from the start: `agents.rollout.EpisodeLost`);
+  driver plays it again from the start: `pacerl.agents.rollout.EpisodeLost`);
 - a `RemoteLearner` where it had a learner: every call goes to the trainer actor, and published
   weights go from the trainer to the replicas through the object store (or a torch.distributed
   broadcast) without passing through the driver.

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import RayActorError
 
-from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from agents.engine.protocol import Generation, SamplingParams
-from agents.engine.sglang import SGLangEngine, SGLangOptions
-from agents.models import layout_of
+from pacerl.agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from pacerl.agents.engine.protocol import Generation, SamplingParams
+from pacerl.agents.engine.sglang import SGLangEngine, SGLangOptions
+from pacerl.agents.models import layout_of
 from pacerl.ray_runtime.supervisor import FaultLog, Slot, Supervisor, quiet
 from pacerl.ray_runtime.weights import ModelRecipe, PublishedWeights, WeightSpec, join_broadcast_group
 
@@ -196,7 +196,8 @@ class EngineRouter:
     ) -> Generation:
         """Generate on the session's replica (a new session: the least loaded one); a generation lost
         with its replica is sent again, from the same tokens, to a live one. Routes are returned from
-        input position `routed_experts_start_len` on (`agents.engine.protocol.EngineWithRoutesStart`)."""
+        input position `routed_experts_start_len` on
+        (`pacerl.agents.engine.protocol.EngineWithRoutesStart`)."""
         request_id = request_id or uuid.uuid4().hex
         tokens = list(input_ids)
         while True:

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayActorError
 
-from envs import EpisodeLost, Message, ToolEnv
+from pacerl.envs import EpisodeLost, Message, ToolEnv
 from pacerl.ray_runtime.supervisor import Slot, Supervisor
 
 if TYPE_CHECKING:  # agents.rollout imports torch
-    from agents.rollout import EpisodeEnv
+    from pacerl.agents.rollout import EpisodeEnv
 
 Step = tuple[tuple[Message, ...], float, bool, bool, dict[str, Any]]
 """What `env.astep` returns."""

@@ -1,7 +1,7 @@
 """The learner of `runtime = "ray"`: `TrainerActor` holds the `Learner` (the trained model, its
 optimizer, the updates), and `RemoteLearner` is the learner the driver's loop calls, forwarding every
 call to it. With `learner.parallel = "fsdp"` the trainer is a group of `learner.world_size` actors in one
-placement group, one per rank of an FSDP2 learner (`trainer.distributed`): every call goes to all of
+placement group, one per rank of an FSDP2 learner (`pacerl.trainer.distributed`): every call goes to all of
 them, and rank 0 answers."""
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import RayActorError
 
-from agents.trajectory import Trajectory
+from pacerl.agents.trajectory import Trajectory
 from pacerl.ray_runtime.supervisor import brief
 from pacerl.ray_runtime.weights import ModelRecipe, PublishedWeights, WeightSpec, join_broadcast_group
-from trainer.checkpoint import latest_checkpoint
-from trainer.distributed import join
-from trainer.learner import Learner, LearnerConfig, StepResult
+from pacerl.trainer.checkpoint import latest_checkpoint
+from pacerl.trainer.distributed import join
+from pacerl.trainer.learner import Learner, LearnerConfig, StepResult
 
 
 class TrainerLostError(RuntimeError):
@@ -149,7 +149,7 @@ class TrainerActor:
 
 
 class RemoteLearner:
-    """The learner as the loop sees it (`trainer.learner.LearnerLike`), living in the trainer actor, or
+    """The learner as the loop sees it (`pacerl.trainer.learner.LearnerLike`), living in the trainer actor, or
     in a group of them (every call to each rank, rank 0's answer)."""
 
     def __init__(self, handles: Sequence[Any], run_dir: Path) -> None:

@@ -14,17 +14,17 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from agents.engine.embedded import EmbeddedEngineConfig
-from agents.engine.sglang import SGLangOptions
-from agents.rollout import EpisodeEnv
-from envs import ToolEnv
+from pacerl.agents.engine.embedded import EmbeddedEngineConfig
+from pacerl.agents.engine.sglang import SGLangOptions
+from pacerl.agents.rollout import EpisodeEnv
+from pacerl.envs import ToolEnv
 from pacerl.ray_runtime.engines import EngineActor, EngineRouter, EngineSpec
 from pacerl.ray_runtime.envs import EnvWorker, RemoteEnv
 from pacerl.ray_runtime.learner import RemoteLearner, TrainerActor
 from pacerl.ray_runtime.supervisor import FaultLog, Slot, Supervisor, brief, quiet
 from pacerl.ray_runtime.weights import ModelRecipe, WeightSpec
-from trainer.learner import LearnerConfig
-from trainer.loop import Run
+from pacerl.trainer.learner import LearnerConfig
+from pacerl.trainer.loop import Run
 
 if TYPE_CHECKING:
     from pacerl.config import RaySpec, RunConfig

@@ -21,13 +21,13 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
-from agents.engine.sglang import SGLangEngine, SGLangOptions
-from agents.models import moe_info
-from agents.rollout import append_generation
-from agents.tokenizer import TokenizerFamily, default_corpus, tiny_tokenizer, train_tokenizer
-from agents.trajectory import Status, Trajectory
+from pacerl.agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from pacerl.agents.engine.protocol import FinishReason, Generation, SamplingParams
+from pacerl.agents.engine.sglang import SGLangEngine, SGLangOptions
+from pacerl.agents.models import moe_info
+from pacerl.agents.rollout import append_generation
+from pacerl.agents.tokenizer import TokenizerFamily, default_corpus, tiny_tokenizer, train_tokenizer
+from pacerl.agents.trajectory import Status, Trajectory
 from tests.helpers import ThreadServer
 from tests.scripted import ScriptedEngineBase
 from tests.sglang_standin import create_standin_app

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
-from agents.evaluation.benchmarks import (
+from pacerl.agents.engine.protocol import FinishReason, Generation, SamplingParams
+from pacerl.agents.evaluation.benchmarks import (
     BENCHMARKS,
     MIRROR_ENV,
     SUITES,
@@ -24,13 +24,13 @@ from agents.evaluation.benchmarks import (
     load_benchmark,
     suite_benchmarks,
 )
-from agents.evaluation.config import EvalConfig
-from agents.evaluation.play import evaluate
-from agents.evaluation.report import EvalReport
-from agents.evaluation.suites import benchmark_eval_config, run_suite, suite_markdown
-from agents.tokenizer import tiny_tokenizer
-from envs import Task
-from envs.registry import env_class
+from pacerl.agents.evaluation.config import EvalConfig
+from pacerl.agents.evaluation.play import evaluate
+from pacerl.agents.evaluation.report import EvalReport
+from pacerl.agents.evaluation.suites import benchmark_eval_config, run_suite, suite_markdown
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.envs import Task
+from pacerl.envs.registry import env_class
 from tests.scripted import ScriptedEngineBase
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "suites"
@@ -177,7 +177,7 @@ def test_local_copies_jsonl_directories_and_the_mirror_variable(
 def test_without_the_hub_or_a_local_copy_loading_fails_at_once_saying_what_to_pass() -> None:
     env = {key: value for key, value in os.environ.items() if key != MIRROR_ENV}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(REPO))
-    code = "from agents.evaluation.benchmarks import load_benchmark\nload_benchmark('gsm8k')"
+    code = "from pacerl.agents.evaluation.benchmarks import load_benchmark\nload_benchmark('gsm8k')"
     # The timeout only guards against a hang (the hub's retries); offline mode answers at once.
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120

@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
-from agents.models import TinyMoEConfig, build_tiny_moe, save_model
-from agents.rollout import RolloutConfig, RolloutDriver
-from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Origin, Status, Trajectory
-from envs import Task
-from envs.chat_template import CHATML_TOOLS_TEMPLATE, assistant_message
-from envs.code_math import CodeMathEnv
-from envs.parsing import Parsed, ToolCall
+from pacerl.agents.engine.protocol import FinishReason, Generation, SamplingParams
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe, save_model
+from pacerl.agents.rollout import RolloutConfig, RolloutDriver
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.agents.trajectory import Origin, Status, Trajectory
 from pacerl.assembly import load_policy
 from pacerl.config import config_from_dict
+from pacerl.envs import Task
+from pacerl.envs.chat_template import CHATML_TOOLS_TEMPLATE, assistant_message
+from pacerl.envs.code_math import CodeMathEnv
+from pacerl.envs.parsing import Parsed, ToolCall
 from tests.agents.helpers import FAMILIES, family_tokenizer
 from tests.scripted import ScriptedEngineBase
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import Qwen3MoeForCausalLM
 
-from agents.engine.embedded import (
+from pacerl.agents.engine.embedded import (
     ContextOverflowError,
     EmbeddedEngine,
     EmbeddedEngineConfig,
     _GateRecorder,
 )
-from agents.engine.protocol import FinishReason, SamplingParams
-from agents.engine.slot_cache import SlotCache, packable
+from pacerl.agents.engine.protocol import FinishReason, SamplingParams
+from pacerl.agents.engine.slot_cache import SlotCache, packable
 from tests.agents.helpers import reference_greedy, tiny_moe
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
@@ -201,8 +201,8 @@ def test_invalid_sampling_parameters_fail_before_work(changes: dict[str, object]
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 async def test_routes_are_captured_for_both_moe_families(family: str) -> None:
-    from agents.models import TinyMoEConfig, build_tiny_moe, moe_info
-    from agents.tokenizer import tiny_tokenizer
+    from pacerl.agents.models import TinyMoEConfig, build_tiny_moe, moe_info
+    from pacerl.agents.tokenizer import tiny_tokenizer
 
     model = build_tiny_moe(TinyMoEConfig(family=family), tiny_tokenizer())  # type: ignore[arg-type]
     engine = EmbeddedEngine(model)

@@ -13,19 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
-from agents.evaluation.config import EvalConfig
-from agents.evaluation.play import evaluate
-from agents.evaluation.scores import avg_at_k, pass_at_k
-from agents.models import build_tiny_moe, save_model
-from agents.tokenizer import tiny_tokenizer
-from envs import ENV_IDS, Task, ToolEnvConfig
-from envs.code_math import CodeMathEnv
-from envs.registry import env_class
-from envs.retriever import local_retriever
+from pacerl.agents.engine.protocol import FinishReason, Generation, SamplingParams
+from pacerl.agents.evaluation.config import EvalConfig
+from pacerl.agents.evaluation.play import evaluate
+from pacerl.agents.evaluation.scores import avg_at_k, pass_at_k
+from pacerl.agents.models import build_tiny_moe, save_model
+from pacerl.agents.tokenizer import tiny_tokenizer
 from pacerl.assembly import env_factory
 from pacerl.cli import add_eval_parser
 from pacerl.config import ConfigError, config_from_dict
+from pacerl.envs import ENV_IDS, Task, ToolEnvConfig
+from pacerl.envs.code_math import CodeMathEnv
+from pacerl.envs.registry import env_class
+from pacerl.envs.retriever import local_retriever
 from pacerl.evaluate import main_eval, with_settings
 from tests.scripted import ScriptedEngineBase
 

@@ -1,5 +1,5 @@
-"""GGUF files as checkpoints (`agents.gguf`): a tiny Llama written as llama.cpp writes one (F32 tensors,
-q/k rows permuted, a GPT-2-style BPE tokenizer and a chat template in the metadata) loads through
+"""GGUF files as checkpoints (`pacerl.agents.gguf`): a tiny Llama written as llama.cpp writes one (F32
+tensors, q/k rows permuted, a GPT-2-style BPE tokenizer and a chat template in the metadata) loads through
 `load_model` as an ordinary checkpoint with the same logits, is converted once and reused, and a damaged
 file is a clear error. The real SmolLM2 file is not loaded here (the job and the benchmarks do)."""
 
@@ -16,8 +16,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from agents import gguf as pacerl_gguf
-from agents.models import load_model
+from pacerl.agents import gguf as pacerl_gguf
+from pacerl.agents.models import load_model
 from pacerl.config import ConfigError, load_config
 
 CHATML = (

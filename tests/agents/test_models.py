@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from agents.models import (
+from pacerl.agents.models import (
     FAMILIES,
     Family,
     MoEInfo,
@@ -28,11 +28,11 @@ from agents.models import (
     parameter_count,
     save_model,
 )
-from agents.tokenizer import ADDED_TOKENS, CONTROL_TOKENS, TOOL_TOKENS, tiny_tokenizer, train_tokenizer
-from envs import code_math
-from envs.code_math import CodeMathEnv
-from envs.spaces import Message
-from envs.tasks import Task
+from pacerl.agents.tokenizer import ADDED_TOKENS, CONTROL_TOKENS, TOOL_TOKENS, tiny_tokenizer, train_tokenizer
+from pacerl.envs import code_math
+from pacerl.envs.code_math import CodeMathEnv
+from pacerl.envs.spaces import Message
+from pacerl.envs.tasks import Task
 
 
 @pytest.fixture(scope="module", autouse=True)

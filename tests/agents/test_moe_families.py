@@ -1,8 +1,8 @@
-"""R3 for every MoE family with an adapter (`agents.models.MOE_ADAPTERS`), each as a tiny random checkpoint
-saved with `save_pretrained` and loaded back through `load_model`: the engine records what a plain forward
-routes, replaying those routes reproduces the plain forward's log-probs exactly while other routes change
-them, the learner trains with full replay coverage, and an MoE family without an adapter is a clear error
-once R3 is on (a dense model stays dense)."""
+"""R3 for every MoE family with an adapter (`pacerl.agents.models.MOE_ADAPTERS`), each as a tiny random
+checkpoint saved with `save_pretrained` and loaded back through `load_model`: the engine records what a plain
+forward routes, replaying those routes reproduces the plain forward's log-probs exactly while other routes
+change them, the learner trains with full replay coverage, and an MoE family without an adapter is a clear
+error once R3 is on (a dense model stays dense)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.models import (
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.models import (
     MOE_FAMILIES,
     UnsupportedMoEError,
     check_replay_support,
@@ -27,8 +27,10 @@ from agents.models import (
     moe_info,
     save_model,
 )
-from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Status, Trajectory
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.agents.trajectory import Status, Trajectory
+from pacerl.trainer.batch import collate, forward_logprobs
+from pacerl.trainer.learner import Learner, LearnerConfig
 from tests.agents.helpers import (
     PROMPTS,
     SAMPLING,
@@ -39,8 +41,6 @@ from tests.agents.helpers import (
     plain_routes,
     rollouts,
 )
-from trainer.batch import collate, forward_logprobs
-from trainer.learner import Learner, LearnerConfig
 
 REQUIRED = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "granitemoe")
 """The families issue 16 names; each one the installed transformers has must have an adapter."""

@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.engine.openai_chat import ChatAnswer, ChatToolCall, OpenAIChatClient, OpenAIChatOptions
-from agents.evaluation.config import EvalConfig
-from agents.evaluation.play import evaluate_served
-from agents.evaluation.served import NOT_RUN, ServedEpisode, play_episode
-from agents.models import TinyMoEConfig, build_tiny_moe
-from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Status
-from envs import Task, ToolEnvConfig, load_tasks
-from envs.code_math import CodeMathEnv
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.engine.openai_chat import ChatAnswer, ChatToolCall, OpenAIChatClient, OpenAIChatOptions
+from pacerl.agents.evaluation.config import EvalConfig
+from pacerl.agents.evaluation.play import evaluate_served
+from pacerl.agents.evaluation.served import NOT_RUN, ServedEpisode, play_episode
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.agents.trajectory import Status
+from pacerl.envs import Task, ToolEnvConfig, load_tasks
+from pacerl.envs.code_math import CodeMathEnv
 from pacerl.openai_app import create_app
 from tests.helpers import ThreadServer, free_port
 from tests.pacerl.helpers import TextEngine

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.engine.protocol import Generation, SamplingParams
-from agents.models import TinyMoEConfig, build_tiny_moe
-from agents.rollout import ENGINE_BACKOFF_CAP_S, RolloutConfig, RolloutDriver, retry_delay
-from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Origin, Status, Trajectory
-from envs import Task, load_tasks
-from envs.code_math import CodeMathEnv
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.engine.protocol import Generation, SamplingParams
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe
+from pacerl.agents.rollout import ENGINE_BACKOFF_CAP_S, RolloutConfig, RolloutDriver, retry_delay
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.agents.trajectory import Origin, Status, Trajectory
+from pacerl.envs import Task, load_tasks
+from pacerl.envs.code_math import CodeMathEnv
 from tests.agents.helpers import ScriptedEngine
 
 TASK = Task("t1", "What is 123 * 45?", ("5535",))
@@ -243,7 +243,7 @@ async def test_transient_engine_errors_are_retried_after_a_backoff_and_counted(
         waits.append(delay)
         await real_sleep(0)
 
-    monkeypatch.setattr("agents.rollout.asyncio.sleep", recorded_sleep)
+    monkeypatch.setattr("pacerl.agents.rollout.asyncio.sleep", recorded_sleep)
     driver = RolloutDriver(
         FlakyEngine(tokenizer, ["The product is \\boxed{5535}.<|im_end|>"], failures=2),
         tokenizer,

@@ -18,16 +18,16 @@ import numpy as np
 import pytest
 import torch
 
-from agents.engine.embedded import ContextOverflowError, EmbeddedEngine
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
-from agents.engine.sglang import SGLangEngine, SGLangOptions, launch_command
-from agents.engine.sglang_protocol import (
+from pacerl.agents.engine.embedded import ContextOverflowError, EmbeddedEngine
+from pacerl.agents.engine.protocol import FinishReason, Generation, SamplingParams
+from pacerl.agents.engine.sglang import SGLangEngine, SGLangOptions, launch_command
+from pacerl.agents.engine.sglang_protocol import (
     SGLangProtocolError,
     SGLangRequestError,
     SGLangUnavailable,
     token_versions,
 )
-from agents.models import layout_of
+from pacerl.agents.models import layout_of
 from pacerl.cli import main
 from tests.agents.helpers import LAYOUT, StandIn, reference_greedy, tiny_moe
 from tests.helpers import free_port

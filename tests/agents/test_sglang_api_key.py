@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.engine.protocol import SamplingParams
-from agents.engine.sglang import SGLangEngine, SGLangOptions
-from agents.engine.sglang_protocol import SGLangRequestError
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.engine.protocol import SamplingParams
+from pacerl.agents.engine.sglang import SGLangEngine, SGLangOptions
+from pacerl.agents.engine.sglang_protocol import SGLangRequestError
 from tests.agents.helpers import tiny_moe
 from tests.helpers import ThreadServer, record_http_requests
 from tests.sglang_standin import create_standin_app

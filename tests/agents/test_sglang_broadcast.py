@@ -20,19 +20,19 @@ import httpx
 import pytest
 import torch
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.engine.protocol import FinishReason, SamplingParams
-from agents.engine.sglang import SGLangEngine, SGLangOptions
-from agents.engine.sglang_protocol import SGLangRequestError, SGLangUnavailable
-from agents.engine.weight_group import WeightBroadcastGroup, describe
-from agents.models import load_model
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.engine.protocol import FinishReason, SamplingParams
+from pacerl.agents.engine.sglang import SGLangEngine, SGLangOptions
+from pacerl.agents.engine.sglang_protocol import SGLangRequestError, SGLangUnavailable
+from pacerl.agents.engine.weight_group import WeightBroadcastGroup, describe
+from pacerl.agents.models import load_model
 from pacerl.config import config_from_dict
 from pacerl.train import train
+from pacerl.trainer.metrics import read_metrics
 from tests import sglang_standin
 from tests.agents.helpers import LAYOUT, StandIn, reference_greedy, tiny_moe
 from tests.helpers import ThreadServer, free_port, small_run
 from tests.sglang_standin import create_standin_app
-from trainer.metrics import read_metrics
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0)
 DISTRIBUTED: dict[str, Any] = {"weight_transport": "distributed", "weight_group_timeout_s": 60.0, **LAYOUT}
@@ -199,7 +199,7 @@ _DYING_SERVER = """
 import os, sys
 import torch.distributed as dist
 import uvicorn
-from agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.engine.embedded import EmbeddedEngine
 from tests.agents.helpers import tiny_moe
 from tests.sglang_standin import create_standin_app
 

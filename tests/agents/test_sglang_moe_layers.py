@@ -21,22 +21,22 @@ import pytest
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.engine.protocol import SamplingParams
-from agents.engine.sglang import SGLangEngine, SGLangOptions
-from agents.engine.sglang_layout import SGLangLayoutError, routed_layers
-from agents.engine.sglang_protocol import SGLangProtocolError
-from agents.models import MOE_FAMILIES, load_model, moe_info, save_model
-from agents.rollout import RolloutConfig, RolloutDriver
-from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Trajectory
-from envs import load_tasks
-from envs.code_math import CodeMathEnv
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.engine.protocol import SamplingParams
+from pacerl.agents.engine.sglang import SGLangEngine, SGLangOptions
+from pacerl.agents.engine.sglang_layout import SGLangLayoutError, routed_layers
+from pacerl.agents.engine.sglang_protocol import SGLangProtocolError
+from pacerl.agents.models import MOE_FAMILIES, load_model, moe_info, save_model
+from pacerl.agents.rollout import RolloutConfig, RolloutDriver
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.agents.trajectory import Trajectory
+from pacerl.envs import load_tasks
+from pacerl.envs.code_math import CodeMathEnv
+from pacerl.trainer.batch import collate, forward_logprobs
+from pacerl.trainer.learner import Learner, LearnerConfig
 from tests.agents.helpers import TINY, build_tiny, common_sizes, plain_routes
 from tests.helpers import ThreadServer
 from tests.sglang_standin import as_sglang_builds, create_standin_app
-from trainer.batch import collate, forward_logprobs
-from trainer.learner import Learner, LearnerConfig
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
 

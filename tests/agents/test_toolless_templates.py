@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from agents.rollout import RolloutConfig, RolloutDriver
-from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Status
-from envs import Task
-from envs.chat_template import TOOLS_IN_SYSTEM, render_chat, renders_tools, tools_in_messages
-from envs.code_math import CodeMathEnv
+from pacerl.agents.rollout import RolloutConfig, RolloutDriver
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.agents.trajectory import Status
+from pacerl.envs import Task
+from pacerl.envs.chat_template import TOOLS_IN_SYSTEM, render_chat, renders_tools, tools_in_messages
+from pacerl.envs.code_math import CodeMathEnv
+from pacerl.trainer.sft import demonstrations
 from tests.agents.helpers import ScriptedEngine
-from trainer.sft import demonstrations
 
 PLAIN_CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from agents.routing import RoutedExperts, index_dtype
-from agents.trajectory import Origin, Segment, Status, Trajectory
-from agents.trajectory_io import load_jsonl, save_jsonl
+from pacerl.agents.routing import RoutedExperts, index_dtype
+from pacerl.agents.trajectory import Origin, Segment, Status, Trajectory
+from pacerl.agents.trajectory_io import load_jsonl, save_jsonl
 
 E, L, K = 8, 2, 2  # experts, MoE layers, top_k of the routes used below
 

@@ -1,5 +1,5 @@
-"""Sparse upcycling (`agents.upcycle`): a tiny random Llama (and Mistral) turned into a Mixtral-layout MoE
-gives the dense model's logits for whatever its routers choose and for any routes R3 replays; its
+"""Sparse upcycling (`pacerl.agents.upcycle`): a tiny random Llama (and Mistral) turned into a Mixtral-layout
+MoE gives the dense model's logits for whatever its routers choose and for any routes R3 replays; its
 weights are the dense model's, its routers new and seeded; the engine records its routes, R3 replays
 them and the learner trains it; `pacerl upcycle` writes it as a checkpoint; other families are refused."""
 
@@ -15,16 +15,16 @@ import pytest
 import torch
 from transformers import MixtralForCausalLM
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.models import load_model, moe_info, save_model
-from agents.tokenizer import tiny_tokenizer
-from agents.upcycle import DEFAULT_ROUTER_STD, UPCYCLABLE, upcycle_to_mixtral
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.models import load_model, moe_info, save_model
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.agents.upcycle import DEFAULT_ROUTER_STD, UPCYCLABLE, upcycle_to_mixtral
 from pacerl.cli import _ROUTER_STD
 from pacerl.cli import main as pacerl_main
+from pacerl.trainer.batch import collate, forward_logprobs
+from pacerl.trainer.learner import Learner, LearnerConfig
+from pacerl.trainer.replay import routing_replay
 from tests.agents.helpers import PROMPTS, SAMPLING, plain_routes, rollouts, tiny_dense
-from trainer.batch import collate, forward_logprobs
-from trainer.learner import Learner, LearnerConfig
-from trainer.replay import routing_replay
 
 TOKENS = torch.tensor(
     [[5, 17, 40, 41, 9, 7, 8, 100, 101, 102, 103, 12], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]

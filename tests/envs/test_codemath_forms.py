@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 
-from envs import Task, load_tasks
-from envs.code_math import CodeMathEnv, code_math_turns, is_easy
-from envs.tasks import (
+from pacerl.envs import Task, load_tasks
+from pacerl.envs.code_math import CodeMathEnv, code_math_turns, is_easy
+from pacerl.envs.tasks import (
     CODEMATH_FORMS,
     CODEMATH_NOTATIONS,
     CODEMATH_WORDINGS,

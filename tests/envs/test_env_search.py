@@ -11,10 +11,10 @@ import gymnasium
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from envs.base import ToolEnvConfig
-from envs.retriever import BM25Index, create_app
-from envs.search import SearchEnv
-from envs.tasks import DATA_DIR, Task, load_tasks
+from pacerl.envs.base import ToolEnvConfig
+from pacerl.envs.retriever import BM25Index, create_app
+from pacerl.envs.search import SearchEnv
+from pacerl.envs.tasks import DATA_DIR, Task, load_tasks
 from tests.helpers import ThreadServer, free_port, record_http_requests
 
 ARDBRIDAN = Task("ardbridan", "Who founded Ardbridan?", ("Galphadra",))

@@ -12,11 +12,11 @@ from gymnasium.utils.env_checker import check_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import envs
-from envs import Task, ToolEnvConfig, load_tasks
-from envs.code_math import CodeMathEnv
-from envs.math import MathEnv
-from envs.tools import ToolContext, ToolError, get_tool
+from pacerl import envs
+from pacerl.envs import Task, ToolEnvConfig, load_tasks
+from pacerl.envs.code_math import CodeMathEnv
+from pacerl.envs.math import MathEnv
+from pacerl.envs.tools import ToolContext, ToolError, get_tool
 from tests.helpers import TAKEOVER
 
 TASK = Task("t1", "What is 123 * 45?", ("5535",), 1)
@@ -249,7 +249,7 @@ def test_huggingface_datasets_path_on_local_files(tmp_path: Path, monkeypatch: p
 
 
 def test_shipped_files_match_their_generators(tmp_path: Path) -> None:
-    from envs.tasks import DATA_DIR, write_shipped
+    from pacerl.envs.tasks import DATA_DIR, write_shipped
 
     write_shipped(tmp_path)
     for path in sorted(tmp_path.iterdir()):
@@ -260,7 +260,7 @@ def test_chat_template_renders_tool_schemas_and_responses() -> None:
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from envs.chat_template import CHATML_TOOLS_TEMPLATE
+    from pacerl.envs.chat_template import CHATML_TOOLS_TEMPLATE
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),

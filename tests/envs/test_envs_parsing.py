@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envs.parsing import (
+from pacerl.envs.parsing import (
     MAX_CALL_CHARS,
     MAX_CALLS_PER_MESSAGE,
     extract_boxed,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from envs.rewards import (
+from pacerl.envs.rewards import (
     Reward,
     answer_tag_reward,
     boxed_math_reward,

@@ -14,9 +14,9 @@ from typing import Annotated, Literal
 import pydantic
 import pytest
 
-from envs.tools import TOOLS, SandboxPolicy, ToolContext, ToolError, get_tool, make_tool
-from envs.tools.python import format_result
-from sandbox import ExecResult, ExecStatus, Limits
+from pacerl.envs.tools import TOOLS, SandboxPolicy, ToolContext, ToolError, get_tool, make_tool
+from pacerl.envs.tools.python import format_result
+from pacerl.sandbox import ExecResult, ExecStatus, Limits
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

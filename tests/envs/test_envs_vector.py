@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from gymnasium.vector import AsyncVectorEnv, SyncVectorEnv, VectorEnv
 
-import envs
-from envs import Task
+from pacerl import envs
+from pacerl.envs import Task
 
 TASKS = (Task("v1", "What is 123 * 45?", ("5535",), 1), Task("v2", "What is 7 * 6?", ("42",), 1))
 

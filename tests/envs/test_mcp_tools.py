@@ -1,4 +1,4 @@
-"""MCP servers as tools (`envs.tools.mcp_tools`), with the FastMCP server of
+"""MCP servers as tools (`pacerl.envs.tools.mcp_tools`), with the FastMCP server of
 tests/envs/mcp_server_fixture.py
 run inside the real local sandbox (bubblewrap, else unshare) over stdio."""
 
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from envs import Message, Task, ToolEnv
-from envs.rewards import Reward, exact_match
-from envs.tools import TOOLS, McpTool, SandboxPolicy, ToolContext, ToolError, get_tool, mcp_tools, tool
-from sandbox import Limits
-from sandbox.local import LocalOptions
+from pacerl.envs import Message, Task, ToolEnv
+from pacerl.envs.rewards import Reward, exact_match
+from pacerl.envs.tools import TOOLS, McpTool, SandboxPolicy, ToolContext, ToolError, get_tool, mcp_tools, tool
+from pacerl.sandbox import Limits
+from pacerl.sandbox.local import LocalOptions
 from tests.envs import mcp_server_fixture
 
 HERE = Path(__file__).resolve().parent

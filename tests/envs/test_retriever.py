@@ -23,12 +23,12 @@ import httpx
 import pytest
 from fastapi.responses import JSONResponse
 
-from envs.retriever import BM25Index, RetrieverLimits, create_app
-from envs.tasks import DATA_DIR, load_tasks
-from envs.tools import ToolContext, ToolError, get_tool
-from envs.tools.search import retrieve
 from pacerl.cli import _RETRIEVER_FLAGS as RETRIEVER_FLAGS
 from pacerl.cli import main
+from pacerl.envs.retriever import BM25Index, RetrieverLimits, create_app
+from pacerl.envs.tasks import DATA_DIR, load_tasks
+from pacerl.envs.tools import ToolContext, ToolError, get_tool
+from pacerl.envs.tools.search import retrieve
 from tests.helpers import ThreadServer, free_port, record_http_requests
 from tests.hostile_http import (
     assert_idle_after_answer_then_partial_is_closed,

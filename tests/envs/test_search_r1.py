@@ -11,13 +11,13 @@ import gymnasium
 import pyarrow.parquet as pq
 import pytest
 
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
-from agents.rollout import RolloutConfig, RolloutDriver
-from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Origin, Status
-from envs import Task, ToolEnvConfig, load_tasks
-from envs.retriever import local_retriever
-from envs.search import (
+from pacerl.agents.engine.protocol import FinishReason, Generation, SamplingParams
+from pacerl.agents.rollout import RolloutConfig, RolloutDriver
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.agents.trajectory import Origin, Status
+from pacerl.envs import Task, ToolEnvConfig, load_tasks
+from pacerl.envs.retriever import local_retriever
+from pacerl.envs.search import (
     SEARCH_R1_INVALID_ACTION,
     SEARCH_R1_STOP,
     SearchR1Env,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from envs.retriever import BM25Index, create_app
-from envs.search import SearchEnv, search_turns
-from envs.search_world import (
+from pacerl.envs.retriever import BM25Index, create_app
+from pacerl.envs.search import SearchEnv, search_turns
+from pacerl.envs.search_world import (
     SHIPPED,
     SearchWorldSet,
     World,
@@ -24,7 +24,7 @@ from envs.search_world import (
     shipped_world,
     write_shipped,
 )
-from envs.tasks import DATA_DIR, Task, load_tasks
+from pacerl.envs.tasks import DATA_DIR, Task, load_tasks
 from tests.helpers import ThreadServer
 
 SMALL = SearchWorldSet(places=40, people=200, rivers=10, seed=3, train=(60, 60), val=(20, 20))

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
-from agents.models import load_model
-from agents.rollout import RolloutDriver, append_generation
-from agents.trajectory import Status, Trajectory
 from pacerl import plots
+from pacerl.agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from pacerl.agents.engine.protocol import FinishReason, Generation, SamplingParams
+from pacerl.agents.models import load_model
+from pacerl.agents.rollout import RolloutDriver, append_generation
+from pacerl.agents.trajectory import Status, Trajectory
 from pacerl.assembly import env_factory, num_experts, training_tasks
 from pacerl.config import ConfigError, config_from_dict
 from pacerl.lab.config import SimConfig
@@ -32,11 +32,11 @@ from pacerl.lab.presets import PRESETS
 from pacerl.lab.results import Mode
 from pacerl.lab.state import Group
 from pacerl.train import train
+from pacerl.trainer.learner import Learner, StepResult
+from pacerl.trainer.loop import Run, train_sync
+from pacerl.trainer.metrics import read_metrics
+from pacerl.trainer.pool import FilterConfig, PaceSettings, StalenessSummary, TrajectoryPool
 from tests.helpers import small_run
-from trainer.learner import Learner, StepResult
-from trainer.loop import Run, train_sync
-from trainer.metrics import read_metrics
-from trainer.pool import FilterConfig, PaceSettings, StalenessSummary, TrajectoryPool
 
 # -- (1) the clock is the simulator's -----------------------------------------------------------------
 

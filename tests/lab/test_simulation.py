@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agents.trajectory import Origin, Segment, Status, Trajectory
+from pacerl.agents.trajectory import Origin, Segment, Status, Trajectory
 from pacerl.cli import main
 from pacerl.config import EMULATION_PRESETS
 from pacerl.lab import simulate_cli as cli_simulate
@@ -24,8 +24,14 @@ from pacerl.lab.presets import PRESETS
 from pacerl.lab.results import ModeResult, bounds
 from pacerl.lab.traces import workload_from_trace
 from pacerl.settings import config_to_dict
-from trainer.filters import BUILT_IN_FILTERS
-from trainer.pool import AdmissionSettings, FilterConfig, MaxAgeSettings, PaceSettings, staleness_summary
+from pacerl.trainer.filters import BUILT_IN_FILTERS
+from pacerl.trainer.pool import (
+    AdmissionSettings,
+    FilterConfig,
+    MaxAgeSettings,
+    PaceSettings,
+    staleness_summary,
+)
 
 # Every response 100 tokens after a 10-token prompt, one turn: a wave of 8 rows on an engine takes
 # 100 steps of τ(8) = 0.01 + 8 · 0.001 = 0.018 s, i.e. 1.8 s, and nothing else costs time.

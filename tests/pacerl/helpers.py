@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
+from pacerl.agents.engine.protocol import FinishReason, Generation, SamplingParams
 from tests.scripted import ScriptedEngineBase
 
 

@@ -174,7 +174,9 @@ def test_names_the_pages_cite_exist() -> None:
     assert len(names) >= 20
     missing = [f"{page}: {name}" for page, name in names if not resolves(name)]
     assert not missing, missing
-    assert not resolves("agents.evaluation.no_such_module") and not resolves("pacerl.cli.no_such_function")
+    assert not resolves("pacerl.agents.evaluation.no_such_module") and not resolves(
+        "pacerl.cli.no_such_function"
+    )
 
 
 _PATH = re.compile(r"`((?:sandbox|envs|agents|trainer|pacerl|tests|benchmarks|configs|docs)/[\w./-]*\w)`")

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.models import build_tiny_moe, save_model
-from agents.tokenizer import tiny_tokenizer
-from envs.code_math import SYSTEM_PROMPT as CODE_MATH_PROMPT
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.models import build_tiny_moe, save_model
+from pacerl.agents.tokenizer import tiny_tokenizer
 from pacerl.config import ConfigError, load_config
+from pacerl.envs.code_math import SYSTEM_PROMPT as CODE_MATH_PROMPT
 from pacerl.evaluate import eval_config, main_eval
 from pacerl.openai_app import create_app
 from pacerl.train import train
@@ -95,7 +95,7 @@ def test_the_report_holds_the_resolved_config_and_the_prompt_what_it_says(
 def test_a_served_model_is_evaluated_through_the_openai_backend(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from agents.models import load_model
+    from pacerl.agents.models import load_model
 
     caplog.set_level(logging.INFO, logger="pacerl.display")
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.evaluation.benchmarks import BENCHMARKS, SUITES
-from agents.models import build_tiny_moe, load_model, save_model
-from agents.tokenizer import tiny_tokenizer
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.evaluation.benchmarks import BENCHMARKS, SUITES
+from pacerl.agents.models import build_tiny_moe, load_model, save_model
+from pacerl.agents.tokenizer import tiny_tokenizer
 from pacerl.config import ConfigError
 from pacerl.evaluate import main_eval
 from pacerl.openai_app import create_app

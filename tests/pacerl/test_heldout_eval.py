@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 
-import trainer.evaluator
-from agents.models import build_tiny_moe
-from agents.tokenizer import tiny_tokenizer
-from envs import Task, load_tasks
-from envs.tasks import HELDOUT_FORMS
+from pacerl.agents.models import build_tiny_moe
+from pacerl.agents.tokenizer import tiny_tokenizer
 from pacerl.assembly import background_evaluator, env_factory
 from pacerl.config import ConfigError, config_from_dict
+from pacerl.envs import Task, load_tasks
+from pacerl.envs.tasks import HELDOUT_FORMS
 from pacerl.train import report
+from pacerl.trainer import evaluator as evaluator_module
 
 
-def evaluator_for(evaluation: dict[str, Any]) -> trainer.evaluator.BackgroundEvaluator:
+def evaluator_for(evaluation: dict[str, Any]) -> evaluator_module.BackgroundEvaluator:
     config = config_from_dict({"evaluation": evaluation})
     tokenizer = tiny_tokenizer()
     model = build_tiny_moe(config.model.tiny, tokenizer)
@@ -39,7 +39,7 @@ def test_each_set_is_scored_and_written_under_its_own_name(monkeypatch: pytest.M
         share = sum(t.metadata.get("form") in HELDOUT_FORMS for t in tasks) / len(tasks)
         return SimpleNamespace(avg_at_k=share, mean_reward=share, tool_call_rate=0.5, pass_at_k={1: share})
 
-    monkeypatch.setattr(trainer.evaluator, "evaluate", scripted)
+    monkeypatch.setattr(evaluator_module, "evaluate", scripted)
     evaluator = evaluator_for({})
     written: list[tuple[int, dict[str, float]]] = []
     metrics = SimpleNamespace(write=lambda step, scalars: written.append((step, scalars)))

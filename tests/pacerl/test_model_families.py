@@ -1,5 +1,5 @@
-"""Every supported MoE family (`agents.models.MOE_FAMILIES`) through the front doors, as a user brings a
-checkpoint: a random tiny model of the family with a tokenizer carrying a real chat template (Qwen2.5's
+"""Every supported MoE family (`pacerl.agents.models.MOE_FAMILIES`) through the front doors, as a user brings
+a checkpoint: a random tiny model of the family with a tokenizer carrying a real chat template (Qwen2.5's
 or Qwen3's for the Qwen families, Llama 3.1's for the others: any template of the model's own, not
 pacerl's), saved with `save_pretrained`, trains two steps with R3 (`pacerl train`'s `train`, on
 CodeMath-v0 with a stand-in reward a random model earns in varying amounts, so that the steps update) and is
@@ -19,16 +19,16 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from agents.models import MOE_FAMILIES, UnsupportedMoEError, load_model, moe_info, save_model
-from envs import Task
-from envs.chat_template import CHATML_TOOLS_TEMPLATE
-from envs.code_math import SYSTEM_PROMPT, CodeMathEnv
-from envs.rewards import Reward
+from pacerl.agents.models import MOE_FAMILIES, UnsupportedMoEError, load_model, moe_info, save_model
 from pacerl.config import RunConfig, load_config
+from pacerl.envs import Task
+from pacerl.envs.chat_template import CHATML_TOOLS_TEMPLATE
+from pacerl.envs.code_math import SYSTEM_PROMPT, CodeMathEnv
+from pacerl.envs.rewards import Reward
 from pacerl.evaluate import main_eval
 from pacerl.train import train
+from pacerl.trainer.metrics import read_metrics
 from tests.agents.helpers import UNSUPPORTED, build_tiny, common_sizes, family_tokenizer
-from trainer.metrics import read_metrics
 
 TEMPLATE_OF = {"qwen2_moe": "qwen2.5", "qwen3_moe": "qwen3"}
 """The chat template each family's tokenizer carries; Llama 3.1's (not ChatML at all) for the rest."""

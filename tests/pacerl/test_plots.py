@@ -13,8 +13,8 @@ from matplotlib.image import imread
 
 from pacerl import plots
 from pacerl.cli import build_parser
-from trainer import metrics as trainer_metrics
-from trainer.metrics import MetricsWriter
+from pacerl.trainer import metrics as trainer_metrics
+from pacerl.trainer.metrics import MetricsWriter
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NAMES = ["reward.png", "staleness.png", "pool.png", "sat.png"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from envs.code_math import SYSTEM_PROMPT
 from pacerl.config import load_config
+from pacerl.envs.code_math import SYSTEM_PROMPT
 
 ROOT = Path(__file__).resolve().parents[2]
 

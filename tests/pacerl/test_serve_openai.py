@@ -24,14 +24,14 @@ import openai
 import psutil
 import pytest
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.engine.protocol import Generation, SamplingParams
-from agents.models import TinyMoEConfig, build_tiny_moe
-from agents.tokenizer import tiny_tokenizer
-from envs.code_math import CodeMathEnv
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.engine.protocol import Generation, SamplingParams
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.envs.code_math import CodeMathEnv
 from pacerl.openai_app import create_app
+from pacerl.sandbox.http_guard import MIB, HttpGuardConfig
 from pacerl.serve_openai import error_body, split_tool_calls
-from sandbox.http_guard import MIB, HttpGuardConfig
 from tests.helpers import ThreadServer, free_port
 from tests.hostile_http import (
     PATIENCE_S,

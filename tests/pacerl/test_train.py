@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.models import load_model
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.models import load_model
 from pacerl.config import ConfigError, config_from_dict, load_config
 from pacerl.train import train
+from pacerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+from pacerl.trainer.metrics import read_metrics
 from tests.helpers import ThreadServer, rewards, small_run
 from tests.sglang_standin import create_standin_app, read_safetensors
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
-from trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_S = 600
@@ -495,9 +495,9 @@ def test_a_curriculum_style_trains_its_stages_one_after_the_other(monkeypatch: p
     """CodeMath's `clean+teacher`: clean demonstrations first, then the teacher's, the steps split
     evenly, each stage its own `sft` call (own optimizer and warm-up); a curriculum is not itself a
     demonstration style, and one naming no style the env writes is refused."""
-    from envs import load_tasks
     from pacerl import assembly
-    from trainer.sft import demonstrations
+    from pacerl.envs import load_tasks
+    from pacerl.trainer.sft import demonstrations
 
     assert assembly.warm_start_stages("pacerl/CodeMath-v0", "clean+teacher", 400) == [
         ("clean", 200),
@@ -534,7 +534,7 @@ def test_a_curriculum_style_trains_its_stages_one_after_the_other(monkeypatch: p
         assert tokens == [d.tokens for d in expected]
     assert calls[0][0] != calls[1][0]  # the teacher answers some easy problems directly
     assert stats == {"sft/first_loss": 1.0, "sft/last_loss": 2.0, "sft/steps": 5.0}
-    from envs.code_math import CodeMathEnv
+    from pacerl.envs.code_math import CodeMathEnv
 
     monkeypatch.setattr(CodeMathEnv, "warm_start_stages", {"clean+teacher": ("clean", "coach")})
     with pytest.raises(ValueError, match="the curriculum 'clean\\+teacher' names 'coach'"):
@@ -590,7 +590,7 @@ def test_ctrl_c_during_training_checkpoints_and_resume_finishes(
 def test_a_tiny_run_resumes_with_the_tokenizer_it_was_trained_with(tmp_path: Path) -> None:
     """A run built from `model.tiny` saves its tokenizer; a resume reads it back, so weights trained on
     one tokenizer are never fed the ids of a tiny tokenizer whose corpus changed since."""
-    from agents.tokenizer import tiny_tokenizer, train_tokenizer
+    from pacerl.agents.tokenizer import tiny_tokenizer, train_tokenizer
     from pacerl.assembly import load_policy
 
     other = train_tokenizer(["alpha beta gamma delta", "What is 2 + 2?", "<tool_call>x</tool_call>"], 300)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from agents.models import build_tiny_moe, save_model
-from agents.tokenizer import tiny_tokenizer
-from envs.registry import env_class
+from pacerl.agents.models import build_tiny_moe, save_model
+from pacerl.agents.tokenizer import tiny_tokenizer
 from pacerl.assembly import env_factory
 from pacerl.config import ConfigError, config_from_dict
+from pacerl.envs.registry import env_class
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,8 +25,8 @@ USER_MODULE = '''
 """A word-reversal quiz with a host-side tool: a user's env, registered when this module is imported."""
 import gymnasium
 
-from envs import Task, ToolEnv, tool
-from envs.rewards import Reward, exact_match
+from pacerl.envs import Task, ToolEnv, tool
+from pacerl.envs.rewards import Reward, exact_match
 
 
 @tool

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pacerl.config import ConfigError, load_config
-from trainer.metrics import read_metrics
+from pacerl.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,9 +24,9 @@ import dataclasses
 import json
 import os
 
-from trainer.losses import ClipConfig, gspo_loss
-from trainer.policy_losses import PolicyLoss
-from trainer.filters import StalenessFilter
+from pacerl.trainer.losses import ClipConfig, gspo_loss
+from pacerl.trainer.policy_losses import PolicyLoss
+from pacerl.trainer.filters import StalenessFilter
 
 CALLS = os.environ["USER_PLUGIN_CALLS"]
 
@@ -136,8 +136,8 @@ def test_a_user_name_that_does_not_resolve_is_one_clear_line(user_module: Path) 
 def test_a_module_registers_under_a_name_of_its_own() -> None:
     import dataclasses
 
-    from trainer.filters import FILTERS, register_filter
-    from trainer.policy_losses import LOSSES, PolicyLoss, register_loss
+    from pacerl.trainer.filters import FILTERS, register_filter
+    from pacerl.trainer.policy_losses import LOSSES, PolicyLoss, register_loss
 
     loss = PolicyLoss(LOSSES["gspo"].compute)
     register_loss("my_gspo_copy", loss)

@@ -24,16 +24,16 @@ import pytest
 import ray
 import torch
 
-from agents.engine.embedded import EmbeddedEngine
-from agents.engine.protocol import SamplingParams
-from agents.models import load_model
+from pacerl.agents.engine.embedded import EmbeddedEngine
+from pacerl.agents.engine.protocol import SamplingParams
+from pacerl.agents.models import load_model
 from pacerl.assembly import env_factory, load_policy
 from pacerl.config import ConfigError, config_from_dict, load_config
 from pacerl.ray_runtime.runtime import FAULT_LOG, NAMESPACE, RayRuntime, RaySettings
 from pacerl.train import train
+from pacerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+from pacerl.trainer.metrics import read_metrics
 from tests.helpers import rewards, small_run
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
-from trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = {"num_engine_replicas": 2, "num_env_workers": 1}

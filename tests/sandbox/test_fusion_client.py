@@ -21,9 +21,9 @@ import sandbox_fusion
 from sandbox_fusion import RunCodeRequest, RunJupyterRequest, RunStatus
 
 from pacerl.cli import main
-from sandbox import Limits, Sandbox
-from sandbox.limits import RequestMaxima
-from sandbox.server import MAXIMA, create_app
+from pacerl.sandbox import Limits, Sandbox
+from pacerl.sandbox.limits import RequestMaxima
+from pacerl.sandbox.server import MAXIMA, create_app
 from tests.helpers import free_port
 from tests.sandbox.helpers import wait_for_ping
 

@@ -13,8 +13,8 @@ import time
 import psutil
 import pytest
 
-from sandbox import ExecRequest, ExecResult, ExecStatus, Limits, Sandbox, SandboxUsageError
-from sandbox.result import OutputCapture, classify_exit
+from pacerl.sandbox import ExecRequest, ExecResult, ExecStatus, Limits, Sandbox, SandboxUsageError
+from pacerl.sandbox.result import OutputCapture, classify_exit
 from tests.helpers import BackendRuns
 
 
@@ -168,7 +168,7 @@ def test_sandbox_dies_with_its_host_process() -> None:
     marker = f"orphan{secrets.token_hex(4)}"
     script = (
         "import sys\n"
-        "from sandbox import Sandbox, Limits\n"
+        "from pacerl.sandbox import Sandbox, Limits\n"
         "box = Sandbox('local', warm_pool=1)\n"
         "print('ready', flush=True)\n"
         f"box.run(\"import subprocess\\nsubprocess.run(['bash', '-c', 'exec -a {marker} sleep 300'])\","

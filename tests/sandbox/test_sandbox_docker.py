@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sandbox import ExecResult, ExecStatus, Limits, Sandbox
-from sandbox.docker_backend import BACKEND_LABEL, OWNER_LABEL, DockerBackend, DockerOptions
+from pacerl.sandbox import ExecResult, ExecStatus, Limits, Sandbox
+from pacerl.sandbox.docker_backend import BACKEND_LABEL, OWNER_LABEL, DockerBackend, DockerOptions
 
 pytestmark = pytest.mark.docker
 
@@ -287,7 +287,7 @@ def test_containers_of_a_killed_host_process_are_reaped(docker_image: str) -> No
 
     script = (
         "import time\n"
-        "from sandbox import Sandbox\n"
+        "from pacerl.sandbox import Sandbox\n"
         f"box = Sandbox('docker', image={docker_image!r}, warm_pool=2)\n"
         "box.run('print(1)')\n"
         "print('ready', flush=True)\n"
@@ -398,7 +398,7 @@ def private_daemon(docker_image: str) -> Iterator[PrivateDaemon]:
 
 @pytest.mark.slow
 def test_dead_daemon_is_a_sandbox_error_and_recovers(private_daemon: PrivateDaemon) -> None:
-    from sandbox.image import ensure_image
+    from pacerl.sandbox.image import ensure_image
 
     image = ensure_image(base_url=private_daemon.url)
     private_daemon.stop()

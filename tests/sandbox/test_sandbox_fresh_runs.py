@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
-import sandbox.local
-from sandbox import ExecStatus, Limits, Sandbox
-from sandbox.docker_backend import DockerBackend
-from sandbox.local import LocalBackend, _oneshot_key
-from sandbox.server import create_app
+from pacerl.sandbox import ExecStatus, Limits, Sandbox
+from pacerl.sandbox import local as local_module
+from pacerl.sandbox.docker_backend import DockerBackend
+from pacerl.sandbox.local import LocalBackend, _oneshot_key
+from pacerl.sandbox.server import create_app
 from tests.helpers import ServedBy, ThreadServer, free_port, session_box, settle_pools
 
 ISOLATIONS = ["bwrap", "unshare"]
@@ -266,13 +266,13 @@ def test_closing_while_a_start_is_on_the_spawner_thread_leaves_no_process(
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     marker, bind = marker_bind()
-    real_spawn = sandbox.local.spawn
+    real_spawn = local_module.spawn
 
     def slow_spawn(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
         time.sleep(0.2)  # a loaded host: the pool's next start is still on its way when close() runs
         return real_spawn(*args, **kwargs)
 
-    monkeypatch.setattr(sandbox.local, "spawn", slow_spawn)
+    monkeypatch.setattr(local_module, "spawn", slow_spawn)
     for _ in range(3):
         box = Sandbox("local", isolation=kind, ro_binds=(bind,), warm_pool=2)
         assert box.run("print(1)").stdout == "1\n"  # after it the pool starts two more sandboxes
@@ -370,7 +370,7 @@ def test_closing_while_the_pool_holds_a_starting_sandbox_leaves_no_process(
 
 KILLED_HOST = """
 import sys, time
-from sandbox import Sandbox
+from pacerl.sandbox import Sandbox
 box = Sandbox("local", isolation=sys.argv[1], ro_binds=((sys.argv[2], sys.argv[3]),))
 session = box.session()
 # The episode leaves a process running, so its sandbox is frozen between calls; then one-shot runs
@@ -491,6 +491,9 @@ def test_fresh_interpreter_gives_each_episode_its_own_hash_secret(kind: str) -> 
     # (Docker runs each session in a container, so an interpreter, of its own.)
     seen = []
     with Sandbox("local", isolation=kind, fresh_interpreter=True, warm_sessions=1) as box:
+        # The warm sandbox first: one still starting when the first episode ends would fill the pool,
+        # and the episode's sandbox would be closed rather than recycled (on a loaded machine).
+        settle_pools(box)
         for _ in range(2):
             with box.session() as session:
                 session.run("kept = 41")

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sandbox import ExecStatus, Limits, Sandbox
-from sandbox.local import LocalBackend
+from pacerl.sandbox import ExecStatus, Limits, Sandbox
+from pacerl.sandbox.local import LocalBackend
 
 SHORT = Limits(timeout_s=3)
 
@@ -288,9 +288,9 @@ from pathlib import Path
 
 import psutil
 
-from sandbox import Sandbox
-from sandbox.docker_backend import DockerBackend
-from sandbox.local import LocalBackend
+from pacerl.sandbox import Sandbox
+from pacerl.sandbox.docker_backend import DockerBackend
+from pacerl.sandbox.local import LocalBackend
 
 runs, sessions, options = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
 

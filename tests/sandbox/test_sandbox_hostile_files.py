@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from sandbox import ExecRequest, ExecStatus, Limits, Sandbox, SandboxUsageError
-from sandbox.result import ExecResult
+from pacerl.sandbox import ExecRequest, ExecStatus, Limits, Sandbox, SandboxUsageError
+from pacerl.sandbox.result import ExecResult
 from tests.helpers import BackendRuns
 
 MIB = 1024 * 1024
@@ -164,7 +164,7 @@ def test_mount_tables_name_no_host_storage_in_a_session(any_sandbox: Sandbox) ->
 @pytest.fixture
 def docker_without_landlock(docker_image: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Sandbox]:
     """A docker sandbox whose Landlock calls fail (ENOSYS), as on a kernel without Landlock."""
-    import sandbox.docker_backend as docker_backend
+    import pacerl.sandbox.docker_backend as docker_backend
 
     source = docker_backend._HIDE_PROC_SOURCE
     numbers = "create_ruleset, add_rule, restrict_self, rule_path_beneath = 444, 445, 446, 1"

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from sandbox import ExecRequest, ExecStatus, Limits, Sandbox
-from sandbox.docker_backend import DockerBackend
-from sandbox.local import LocalBackend
+from pacerl.sandbox import ExecRequest, ExecStatus, Limits, Sandbox
+from pacerl.sandbox.docker_backend import DockerBackend
+from pacerl.sandbox.local import LocalBackend
 from tests.helpers import CHANGE_WHAT_A_RESET_CANNOT_UNDO, LITTER, TAKEOVER, assert_taken_over_nothing
 
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from sandbox import ExecStatus, Sandbox
-from sandbox.local import LocalBackend
+from pacerl.sandbox import ExecStatus, Sandbox
+from pacerl.sandbox.local import LocalBackend
 from tests.helpers import (
     CHANGE_WHAT_A_RESET_CANNOT_UNDO,
     LITTER,

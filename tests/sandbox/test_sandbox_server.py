@@ -27,8 +27,8 @@ import pytest
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from pacerl.cli import main
-from sandbox import ExecStatus, Limits, Sandbox, SandboxUsageError
-from sandbox.http_guard import (
+from pacerl.sandbox import ExecStatus, Limits, Sandbox, SandboxUsageError
+from pacerl.sandbox.http_guard import (
     ACCEPT_FAILED,
     MIB,
     BodyBudget,
@@ -39,9 +39,9 @@ from sandbox.http_guard import (
     declared_length,
     open_files_needed,
 )
-from sandbox.remote import RemoteOptions
-from sandbox.request import MAX_CODE_BYTES
-from sandbox.server import GUARD, create_app
+from pacerl.sandbox.remote import RemoteOptions
+from pacerl.sandbox.request import MAX_CODE_BYTES
+from pacerl.sandbox.server import GUARD, create_app
 from tests.helpers import BackendRuns, ThreadServer, free_port
 from tests.hostile_http import (
     assert_idle_after_answer_then_partial_is_closed,
@@ -792,7 +792,7 @@ def test_the_open_file_limit_is_raised_or_the_connection_cap_lowered() -> None:
     """A server raises its soft limit on open files to fit its connections, an accept backlog's worth
     more twice over and SPARE_FILES; under a hard limit too low for that, fewer connections are kept."""
     probe = (
-        "import resource, sys; from sandbox.http_guard import allow_open_files; "
+        "import resource, sys; from pacerl.sandbox.http_guard import allow_open_files; "
         "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
         "fits = [allow_open_files(n) for n in (50, 2048)]; "
         "print(*fits, resource.getrlimit(resource.RLIMIT_NOFILE)[0])"

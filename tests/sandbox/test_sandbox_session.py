@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from sandbox import ExecStatus, Limits, Sandbox
+from pacerl.sandbox import ExecStatus, Limits, Sandbox
 
 
 def test_variables_survive_between_calls(any_sandbox: Sandbox) -> None:

@@ -7,11 +7,11 @@ import functools
 import numpy as np
 import torch
 
-from agents.models import TinyMoEConfig, build_tiny_moe
-from agents.routing import RoutedExperts
-from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Status, Trajectory
-from trainer.learner import Learner
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe
+from pacerl.agents.routing import RoutedExperts
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.agents.trajectory import Status, Trajectory
+from pacerl.trainer.learner import Learner
 
 
 def small_model() -> torch.nn.Module:

@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from agents.trajectory import Status, Trajectory
+from pacerl.agents.trajectory import Status, Trajectory
+from pacerl.trainer.batch_prep import AdvantageName, AdvantageStd, micro_batches, prepare_batch, update_plan
 from tests.trainer.helpers import make_trajectory
-from trainer.batch_prep import AdvantageName, AdvantageStd, micro_batches, prepare_batch, update_plan
 
 
 def mixed_groups() -> list[list[Trajectory]]:

@@ -19,12 +19,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from agents.trajectory import RoutedExperts, Status, Trajectory
+from pacerl.agents.trajectory import RoutedExperts, Status, Trajectory
+from pacerl.trainer.distributed import Ranks, join
+from pacerl.trainer.learner import Learner, LearnerConfig
+from pacerl.trainer.policy_losses import DecoupledPPOSettings, GRPOSettings, LossConfig
 from tests.helpers import free_port
 from tests.trainer.helpers import ragged_groups_of_small_model, small_model
-from trainer.distributed import Ranks, join
-from trainer.learner import Learner, LearnerConfig
-from trainer.policy_losses import DecoupledPPOSettings, GRPOSettings, LossConfig
 
 WORLD = 2
 FSDP = {"parallel": "fsdp", "world_size": WORLD}

@@ -7,7 +7,7 @@ import ctypes
 import subprocess
 import sys
 
-from trainer.host_memory import _glibc, free_heap_gb, return_free_heap, rss_gb
+from pacerl.trainer.host_memory import _glibc, free_heap_gb, return_free_heap, rss_gb
 
 BLOCK = 64 * 1024  # under glibc's mmap threshold: served from the heap
 BLOCKS = 4096  # 256 MiB
@@ -21,7 +21,7 @@ def test_freed_heap_blocks_are_counted_and_returned() -> None:
     # In a fresh interpreter, so that the heap holds nothing else of size.
     script = f"""
 import ctypes
-from trainer.host_memory import _glibc, free_heap_gb, return_free_heap, rss_gb
+from pacerl.trainer.host_memory import _glibc, free_heap_gb, return_free_heap, rss_gb
 libc = _glibc()
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from agents.trajectory import Status, Trajectory
+from pacerl.agents.trajectory import Status, Trajectory
+from pacerl.trainer.learner import Learner, LearnerConfig
+from pacerl.trainer.policy_losses import BUILT_IN_LOSSES, GSPOSettings, LossConfig
 from tests.trainer.helpers import make_trajectory, on_policy, small_model, two_groups
-from trainer.learner import Learner, LearnerConfig
-from trainer.policy_losses import BUILT_IN_LOSSES, GSPOSettings, LossConfig
 
 
 def parameters(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -11,12 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from agents.trajectory import Trajectory
+from pacerl.agents.trajectory import Trajectory
 from pacerl.config import ConfigError, load_config
-from tests.trainer.helpers import on_policy, ragged_groups_of_small_model, small_model, two_groups
-from trainer.batch import TokenBatch, collate, forward_logprobs
-from trainer.learner import Learner, LearnerConfig
-from trainer.losses import (
+from pacerl.trainer.batch import TokenBatch, collate, forward_logprobs
+from pacerl.trainer.learner import Learner, LearnerConfig
+from pacerl.trainer.losses import (
     ClipConfig,
     SATConfig,
     decoupled_ppo_loss,
@@ -24,7 +23,7 @@ from trainer.losses import (
     sat_threshold,
     sequence_staleness,
 )
-from trainer.policy_losses import (
+from pacerl.trainer.policy_losses import (
     BUILT_IN_LOSSES,
     LOSSES,
     DecoupledPPOSettings,
@@ -32,6 +31,7 @@ from trainer.policy_losses import (
     GSPOSettings,
     LossConfig,
 )
+from tests.trainer.helpers import on_policy, ragged_groups_of_small_model, small_model, two_groups
 
 
 def step_gradients(

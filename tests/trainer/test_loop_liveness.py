@@ -1,5 +1,5 @@
-"""The async loop (`trainer.loop.train_async`) under skipped steps, with every staleness filter: it never
-waits for a batch that cannot come. A skipped step (equal rewards, non-finite values) consumes its batch
+"""The async loop (`pacerl.trainer.loop.train_async`) under skipped steps, with every staleness filter: it
+never waits for a batch that cannot come. A skipped step (equal rewards, non-finite values) consumes its batch
 without moving the policy version; admission must count it as consumed all the same. Where no batch can
 ever form, the run ends with a one-line error naming the cause instead of waiting in silence.
 
@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 import torch
 
-from agents.trajectory import Status, Trajectory
-from envs import Task
+from pacerl.agents.trajectory import Status, Trajectory
+from pacerl.envs import Task
+from pacerl.trainer.checkpoint import latest_checkpoint
+from pacerl.trainer.filters import BUILT_IN_FILTERS
+from pacerl.trainer.learner import StepResult
+from pacerl.trainer.loop import LoopConfig, Run, RunFailedError, train_async, train_sync
+from pacerl.trainer.pool import AdmissionSettings, FilterConfig, MaxAgeSettings, PaceSettings, TrajectoryPool
 from tests.scripted import ScriptedEngineBase
-from trainer.checkpoint import latest_checkpoint
-from trainer.filters import BUILT_IN_FILTERS
-from trainer.learner import StepResult
-from trainer.loop import LoopConfig, Run, RunFailedError, train_async, train_sync
-from trainer.pool import AdmissionSettings, FilterConfig, MaxAgeSettings, PaceSettings, TrajectoryPool
 
 HANG_S = 60.0
 """Bound on a run of a few steps that finishes in milliseconds: reaching it means the loop hung."""
@@ -128,12 +128,21 @@ class FailingDriver(FakeDriver):
     ) -> None:  # type: ignore[assignment]
         super().__init__(engine)
         self.finishing, self.untrainable = finishing, untrainable
+        self.ended: dict[int, asyncio.Event] = {}
 
     async def rollout_group(
         self, task: Task, group_id: str | None = None, resume: Mapping[str, Trajectory] | None = None
     ) -> list[Trajectory]:
         number = len(self.launched) + 1  # this group's launch number
-        group = await super().rollout_group(task, group_id, resume)
+        self.ended[number] = asyncio.Event()
+        try:
+            group = await super().rollout_group(task, group_id, resume)
+            # Groups end in launch order, as the counts in the tests assume: on a loaded machine a later
+            # group could otherwise end first, and "fails in a row" would depend on the scheduler.
+            if number > 1:
+                await self.ended[number - 1].wait()
+        finally:  # a cancelled group holds up none after it
+            self.ended[number].set()
         if self.untrainable:
             members = []
             for t in group:

@@ -10,8 +10,8 @@ from typing import Literal
 import pytest
 import torch
 
-from trainer.advantages import dr_grpo_advantages, grpo_advantages, reinforce_pp_baseline_advantages
-from trainer.losses import (
+from pacerl.trainer.advantages import dr_grpo_advantages, grpo_advantages, reinforce_pp_baseline_advantages
+from pacerl.trainer.losses import (
     ClipConfig,
     SATConfig,
     decoupled_ppo_loss,

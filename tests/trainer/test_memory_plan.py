@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from agents.models import TinyMoEConfig, build_tiny_moe, hf_config, parameter_count
-from agents.tokenizer import tiny_tokenizer
-from trainer.memory import (
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe, hf_config, parameter_count
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.trainer.memory import (
     GIB,
     MemoryPlan,
     ParameterCounts,

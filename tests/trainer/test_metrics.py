@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from trainer.metrics import MetricsWriter, read_metrics
+from pacerl.trainer.metrics import MetricsWriter, read_metrics
 
 
 def read_events(directory: Path) -> list[event_pb2.Event]:

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from agents.trajectory import Status, Trajectory
-from trainer.pool import (
+from pacerl.agents.trajectory import Status, Trajectory
+from pacerl.trainer.pool import (
     AdmissionSettings,
     FilterConfig,
     MaxAgeSettings,
@@ -769,7 +769,7 @@ def test_effective_staleness_and_prefix_drift_refusals_and_precision() -> None:
 
 
 def test_every_built_in_filter_is_registered_with_its_traits() -> None:
-    from trainer.filters import BUILT_IN_FILTERS, FILTERS
+    from pacerl.trainer.filters import BUILT_IN_FILTERS, FILTERS
 
     assert BUILT_IN_FILTERS == tuple(FILTERS)[:4] == ("none", "max_age", "admission", "pace")
     traits = {

@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from agents.engine.protocol import SamplingParams
-from agents.models import TinyMoEConfig, build_tiny_moe, moe_info
-from agents.rollout import append_generation
-from agents.routing import RoutedExperts
-from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Origin, Status, Trajectory
+from pacerl.agents.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from pacerl.agents.engine.protocol import SamplingParams
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe, moe_info
+from pacerl.agents.rollout import append_generation
+from pacerl.agents.routing import RoutedExperts
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.agents.trajectory import Origin, Status, Trajectory
+from pacerl.trainer.batch import collate, forward_logprobs
+from pacerl.trainer.learner import Learner, LearnerConfig
+from pacerl.trainer.replay import check_routes, routing_replay
 from tests.agents.helpers import tiny_dense
 from tests.trainer.helpers import ragged_groups
-from trainer.batch import collate, forward_logprobs
-from trainer.learner import Learner, LearnerConfig
-from trainer.replay import check_routes, routing_replay
 
 SAMPLING = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3)
 PROMPTS = [[5, 17, 40, 41, 9], [7, 8, 100, 101, 102, 103, 12], [30, 31, 32]]

@@ -11,20 +11,20 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from agents.engine.protocol import FinishReason, Generation, SamplingParams
-from agents.models import TinyMoEConfig, build_tiny_moe
-from agents.rollout import RolloutConfig, RolloutDriver
-from agents.tokenizer import tiny_tokenizer
-from agents.trajectory import Status, Trajectory
-from envs import Task, ToolEnv, ToolEnvConfig, load_tasks
-from envs.code_math import CodeMathEnv, is_easy
-from envs.math import MathEnv
-from envs.retriever import BM25Index, create_app
-from envs.search import SearchEnv
-from envs.tasks import DATA_DIR
+from pacerl.agents.engine.protocol import FinishReason, Generation, SamplingParams
+from pacerl.agents.models import TinyMoEConfig, build_tiny_moe
+from pacerl.agents.rollout import RolloutConfig, RolloutDriver
+from pacerl.agents.tokenizer import tiny_tokenizer
+from pacerl.agents.trajectory import Status, Trajectory
+from pacerl.envs import Task, ToolEnv, ToolEnvConfig, load_tasks
+from pacerl.envs.code_math import CodeMathEnv, is_easy
+from pacerl.envs.math import MathEnv
+from pacerl.envs.retriever import BM25Index, create_app
+from pacerl.envs.search import SearchEnv
+from pacerl.envs.tasks import DATA_DIR
+from pacerl.trainer.sft import Demonstration, SFTConfig, demonstrations, render_demonstration, sft
 from tests.helpers import ThreadServer
 from tests.scripted import ScriptedEngineBase
-from trainer.sft import Demonstration, SFTConfig, demonstrations, render_demonstration, sft
 
 CODEMATH = load_tasks("codemath-train")
 

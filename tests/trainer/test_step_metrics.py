@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer.helpers import make_trajectory
-from trainer.distributed import Ranks
-from trainer.losses import LossOutput
-from trainer.step_metrics import (
+from pacerl.trainer.distributed import Ranks
+from pacerl.trainer.losses import LossOutput
+from pacerl.trainer.step_metrics import (
     FIRST_PASS,
     PER_TOKEN,
     PER_UNIT,
@@ -19,7 +18,8 @@ from trainer.step_metrics import (
     mean,
     update_figures,
 )
-from trainer.update_step import micro_batch_loss
+from pacerl.trainer.update_step import micro_batch_loss
+from tests.trainer.helpers import make_trajectory
 
 
 def loss_output(loss: float, clip_fraction: float) -> LossOutput:
