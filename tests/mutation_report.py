@@ -315,12 +315,12 @@ def main() -> int:
         rows.append((path, killed + timeout, timeout, len(lost) - no_tests, no_tests, total))
         total_killed, total_all = total_killed + killed + timeout, total_all + total
     header = ("killed", "(timeout)", "survived", "no tests", "total", "score")
-    print(f"{'file':24} " + " ".join(f"{name:>9}" for name in header))
+    print(f"{'file':31} " + " ".join(f"{name:>9}" for name in header))
     for path, killed, timeout, survived, no_tests, total in rows:
         score = 100.0 * killed / total if total else 100.0
-        print(f"{path:24} {killed:9} {timeout:9} {survived:9} {no_tests:9} {total:9} {score:8.1f}%")
+        print(f"{path:31} {killed:9} {timeout:9} {survived:9} {no_tests:9} {total:9} {score:8.1f}%")
     score = 100.0 * total_killed / total_all if total_all else 100.0
-    print(f"{'all in scope':24} {total_killed:9} {'':9} {'':9} {'':9} {total_all:9} {score:8.1f}%")
+    print(f"{'all in scope':31} {total_killed:9} {'':9} {'':9} {'':9} {total_all:9} {score:8.1f}%")
     if survivors:
         print("\nsurvivors (docs/mutation.md says why each is equivalent or left):")
         print("\n".join(survivors))
