@@ -28,12 +28,12 @@ from pacerl.agents.engine.protocol import ContextOverflowError, FinishReason, Ge
 from pacerl.agents.models import TinyMoEConfig, build_tiny_moe, load_model
 from pacerl.agents.tokenizer import tiny_tokenizer
 from pacerl.envs.chat_template import render_chat
+from pacerl.envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from pacerl.sandbox.http_guard import Gate, HttpGuardConfig, guard_app, guard_from_flags, run_server
 from pacerl.serve_openai import (
     GUARD,
     MAX_QUEUE,
     ApiError,
-    ChatMessage,
     ChatRequest,
     context_error,
     error_body,
@@ -71,6 +71,7 @@ def create_app(
     # holds more tokens than the context, and is refused without the cost of tokenizing it.
     longest_token = max((len(entry) for entry in tokenizer.get_vocab()), default=0)
     max_prompt_chars = max_context * longest_token if longest_token else None
+    artefacts = template_artefacts(tokenizer)
     created = int(time.time())
     gate = Gate(max_concurrency, max_queue, "requests")
     # One thread renders, tokenizes and decodes for every request: off the event loop, and one at a
@@ -165,6 +166,9 @@ def create_app(
                 "top_logprobs is not supported (only the sampled token's log-prob is kept)",
                 param="top_logprobs",
             )
+        refused = body.unsupported()
+        if refused is not None:
+            raise ApiError(400, f"{refused[0]}: {refused[1]}", param=refused[0])
         choice = body.tool_choice
         if choice is not None and choice not in ("auto", "none"):
             raise ApiError(400, "tool_choice supports only 'auto' and 'none'", param="tool_choice")
@@ -174,7 +178,7 @@ def create_app(
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
         async with gate.slot():
             prompt = await off_the_loop(
-                _prompt, tokenizer, body.messages, native_tool_calls, tools, max_context, max_prompt_chars
+                _prompt, tokenizer, body, native_tool_calls, tools, max_context, max_prompt_chars
             )
             temperature = 1.0 if body.temperature is None else body.temperature
             budget = _completion_budget(body, len(prompt), max_context)
@@ -183,6 +187,7 @@ def create_app(
                     max_new_tokens=budget,
                     temperature=temperature,
                     top_p=1.0 if body.top_p is None else body.top_p,
+                    top_k=max(0, body.top_k or 0),
                     stop_strings=tuple(stops),
                     seed=None if body.seed is None else body.seed + i,
                 )
@@ -200,7 +205,7 @@ def create_app(
                 raise ApiError(503, "the engine aborted the request (shutting down?)")
             offer_tools = bool(tools) and choice != "none"
             choices = await off_the_loop(
-                _choices, tokenizer, generations, eos, stops, offer_tools, body.logprobs
+                _choices, tokenizer, generations, eos, stops, offer_tools, body.logprobs, artefacts
             )
         completion = sum(len(g.tokens) for g in generations)
         return {
@@ -221,15 +226,22 @@ def create_app(
 
 def _prompt(
     tokenizer: Any,
-    messages: Sequence[ChatMessage],
+    body: ChatRequest,
     native_tool_calls: bool,
     tools: list[dict[str, Any]] | None,
     max_context: int,
     max_chars: int | None,
 ) -> list[int]:
     """The request's prompt tokens (on the tokenizer thread); 400 for a prompt the context cannot hold,
-    refused before tokenizing when its characters alone say so (`max_chars`)."""
-    text = _render(tokenizer, template_messages(messages, native_tool_calls), tools)
+    refused before tokenizing when its characters alone say so (`max_chars`). With
+    `continue_final_message`, the conversation before the final assistant message is rendered with the
+    generation prompt and that message's text follows as it is: exactly the text a local rollout
+    continues (the template would otherwise close the turn)."""
+    messages = template_messages(body.messages, native_tool_calls)
+    if body.continue_final_message:
+        text = _render(tokenizer, messages[:-1], tools, True) + messages[-1]["content"]
+    else:
+        text = _render(tokenizer, messages, tools, body.add_generation_prompt)
     if max_chars is not None and len(text) > max_chars:
         raise context_error(
             f"This model's maximum context length is {max_context} tokens. However, your messages "
@@ -285,8 +297,11 @@ def _choices(
     stops: Sequence[str],
     offer_tools: bool,
     logprobs: bool,
+    artefacts: Sequence[str],
 ) -> list[dict[str, Any]]:
-    """The answer's choices from the engine's generations (on the tokenizer thread)."""
+    """The answer's choices from the engine's generations (on the tokenizer thread): the text up to
+    the first stop string (named in the choice's `stop_reason`, vLLM's field), without the template's
+    special tokens (`artefacts`)."""
 
     choices = []
     for index, generation in enumerate(generations):
@@ -294,8 +309,11 @@ def _choices(
         if tokens and tokens[-1] in eos and generation.finish_reason is FinishReason.STOP:
             tokens.pop()
         text = tokenizer.decode(tokens, skip_special_tokens=False)
-        cut = min((i for i in (text.find(s) for s in stops) if i != -1), default=-1)
+        found = [(i, s) for s in stops if (i := text.find(s)) != -1]
+        cut, matched = min(found) if found else (-1, None)
         text = text if cut == -1 else text[:cut]
+        for artefact in artefacts:
+            text = text.replace(artefact, "")
         content, calls = split_tool_calls(text) if offer_tools else (text, [])
         finish = "tool_calls" if calls else generation.finish_reason.value
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -304,7 +322,8 @@ def _choices(
         entry: dict[str, Any] = {
             "index": index,
             "message": message,
-            "finish_reason": finish,
+            "finish_reason": "stop" if matched is not None and not calls else finish,
+            "stop_reason": matched,
             "logprobs": None,
         }
         if logprobs:
@@ -313,15 +332,31 @@ def _choices(
     return choices
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    generation_prompt: bool,
+) -> str:
 
     try:
-        text = render_chat(tokenizer, messages, tools, generation_prompt=True)
+        text = render_chat(tokenizer, messages, tools, generation_prompt=generation_prompt)
     except (TemplateError, ValueError, TypeError, KeyError) as error:
         raise ApiError(
             400, f"the chat template cannot render these messages: {error}", param="messages"
         ) from None
     return text
+
+
+def template_artefacts(tokenizer: Any) -> tuple[str, ...]:
+    """The tokenizer's special tokens (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`, ...), which a
+    served answer's `content` never holds (vLLM decodes with `skip_special_tokens`); the tool-call and
+    reasoning tags stay, since the parsers and envs read them."""
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special |= {str(token) for token in added.values() if getattr(token, "special", False)}
+    kept = {TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "<think>", "</think>"}
+    return tuple(sorted((t for t in special - kept if t), key=len, reverse=True))
 
 
 def _logprobs(tokenizer: Any, tokens: Sequence[int], logprobs: Sequence[float]) -> list[dict[str, Any]]:

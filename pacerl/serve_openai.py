@@ -110,6 +110,43 @@ class ChatRequest(_Lenient):
     logprobs: bool = False
     top_logprobs: int | None = pydantic.Field(default=None, ge=0, le=20)
     stream: bool = False
+    top_k: int | None = pydantic.Field(default=None, ge=-1)
+    """vLLM's and SGLang's extension: sample among the k most likely tokens (0 or -1: all)."""
+    add_generation_prompt: bool = True
+    """vLLM's extension: end the rendered prompt with the template's opening of an assistant turn."""
+    continue_final_message: bool = False
+    """vLLM's extension: the answer continues the final (assistant) message's text in the same turn."""
+    response_format: dict[str, Any] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) of the first field set to something this server would otherwise ignore:
+        refused, so that a client never takes an unconstrained answer for a constrained one."""
+        problems = [
+            (self.response_format not in (None, {"type": "text"}), "response_format",
+             "only {'type': 'text'} is supported (no JSON mode or schema-constrained decoding)"),
+            (self.frequency_penalty not in (None, 0), "frequency_penalty", "penalties are not supported"),
+            (self.presence_penalty not in (None, 0), "presence_penalty", "penalties are not supported"),
+            (self.repetition_penalty not in (None, 1), "repetition_penalty", "penalties are not supported"),
+            (self.min_p not in (None, 0), "min_p", "min_p sampling is not supported"),
+            (bool(self.logit_bias), "logit_bias", "logit_bias is not supported"),
+            (self.parallel_tool_calls is False, "parallel_tool_calls",
+             "parallel_tool_calls=false is not supported (an answer may hold several calls)"),
+            (self.include_stop_str_in_output or self.no_stop_trim, "include_stop_str_in_output",
+             "stop strings are always cut from the content (the choice's stop_reason names the one)"),
+            (self.continue_final_message and self.add_generation_prompt, "continue_final_message",
+             "continue_final_message needs add_generation_prompt=false"),
+            (self.continue_final_message and self.messages[-1].role != "assistant", "continue_final_message",
+             "continue_final_message needs the last message to be the assistant's"),
+        ]  # fmt: skip
+        return next(((name, why) for bad, name, why in problems if bad), None)
 
 
 class ApiError(Exception):

@@ -95,6 +95,9 @@ class ChatAnswer:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    matched_stop: str | None = None
+    """The stop string that ended the answer when the server says (vLLM's `stop_reason`, SGLang's
+    `matched_stop`); OpenAI semantics cut it from `content`."""
 
     def message(self) -> dict[str, Any]:
         """The assistant message to send back in the conversation."""
@@ -155,17 +158,27 @@ class OpenAIChatClient:
         temperature: float,
         top_p: float = 1.0,
         seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        continue_final: bool = False,
     ) -> ChatAnswer:
-        """One chat completion (n = 1); ServedModelError when none came after the bounded retries."""
+        """One chat completion (n = 1); ServedModelError when none came after the bounded retries.
+        `stop`: this request's stop strings (None: the options'). `continue_final`: the answer continues
+        the final assistant message's text in the same turn (vLLM's `continue_final_message` with
+        `add_generation_prompt` off, which `pacerl serve openai` reads too), as a local rollout continues
+        an env's inline observation."""
         extra: dict[str, Any] = {}
         if tools:
             extra["tools"] = list(tools)
-        if self.options.stop:
-            extra["stop"] = list(self.options.stop)
+        stops = self.options.stop if stop is None else tuple(stop)
+        if stops:
+            extra["stop"] = list(stops)
         if seed is not None:
             extra["seed"] = seed
         if top_p < 1:
             extra["top_p"] = top_p
+        body = dict(self.options.extra_body)
+        if continue_final:
+            body.update(continue_final_message=True, add_generation_prompt=False)
         model = await self.model()
         try:
             response = await self._api().chat.completions.create(
@@ -173,7 +186,7 @@ class OpenAIChatClient:
                 messages=list(messages),  # type: ignore[arg-type]  # plain dicts of the API's shape
                 max_tokens=max_tokens,
                 temperature=temperature,
-                extra_body=dict(self.options.extra_body) or None,
+                extra_body=body or None,
                 **extra,
             )
         except openai.APIStatusError as error:
@@ -189,12 +202,14 @@ class OpenAIChatClient:
             if call.type == "function"
         )
         usage = response.usage
+        matched = getattr(choice, "stop_reason", None) or getattr(choice, "matched_stop", None)
         return ChatAnswer(
             content=choice.message.content or "",
             tool_calls=calls,
             finish_reason=str(choice.finish_reason),
             prompt_tokens=usage.prompt_tokens if usage else 0,
             completion_tokens=usage.completion_tokens if usage else 0,
+            matched_stop=matched if isinstance(matched, str) else None,  # a stop token's id is an int
         )
 
     async def aclose(self) -> None:

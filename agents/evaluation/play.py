@@ -20,7 +20,7 @@ from pacerl.agents.engine.openai_chat import OpenAIChatClient
 from pacerl.agents.engine.protocol import Engine
 from pacerl.agents.evaluation.config import EvalConfig
 from pacerl.agents.evaluation.report import EpisodeOutcome, EvalReport, build_report, trajectory_outcome
-from pacerl.agents.evaluation.served import ServedEpisode, play_episode
+from pacerl.agents.evaluation.served import ServedEpisode, play_episode, served_stop_strings
 from pacerl.agents.rollout import RolloutDriver
 from pacerl.agents.trajectory import Trajectory
 from pacerl.envs import Task, ToolEnv
@@ -73,8 +73,9 @@ async def evaluate_served(
     scored per episode into the same `EvalReport`; `on_episode` gets each episode's generated tokens as
     it ends. From `config` it takes samples, temperature, max_new_tokens (per answer), max_total_tokens
     (the conversation's tokens, from the server's usage counts), ks, success_threshold, max_tasks, seed
-    (each request's seed derives from it) and max_concurrent_tasks; the stop strings and tools are the
-    client's (`OpenAIChatOptions`), and the report's config says so. `policy_version` is 0: a served
+    (each request's seed derives from it) and max_concurrent_tasks; the stop strings are the env's
+    (`served_stop_strings`) and the client's, the tools the client's (`OpenAIChatOptions`), and the
+    report's config says so. `policy_version` is 0: a served
     model has no version pacerl knows. The client is left open."""
     config = config or EvalConfig()
     chosen = chosen_tasks(tasks, config)
@@ -93,8 +94,11 @@ async def evaluate_served(
     async def play(task: Task) -> list[ServedEpisode]:
         return list(await asyncio.gather(*(episode(task, i) for i in range(config.samples))))
 
+    probe = make_env()
+    stops = served_stop_strings(client.options, probe)  # the env's and the client's
+    probe.close()
     groups, wall = await _play_groups(chosen, config, play, on_group)
-    ran = replace(config, stop_strings=client.options.stop, tool_schemas_in_prompt=client.options.tools)
+    ran = replace(config, stop_strings=stops, tool_schemas_in_prompt=client.options.tools)
     return served_report(chosen, groups, ran, label, wall)
 
 

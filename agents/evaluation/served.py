@@ -10,6 +10,14 @@ A server without a tool-call parser answers with the calls in its text; the env 
 text as it would a local model's, and their observations go back as one user turn of
 `<tool_response>` blocks (the convention of Hermes/Qwen chat templates).
 
+An env whose observations continue the assistant's text (`inline_observations`: Search-R1's
+`pacerl/SearchR1-v0`) is played as the rollout driver plays it locally: each request carries the env's
+`stop_strings` (`</search>`, `</answer>`) beside the client's; the stop string the server cut from the
+answer (OpenAI semantics) is put back, so the env reads the turn a local engine would have produced;
+the observation (`<information>...</information>`) is appended to the assistant message's text, and
+the next request continues that message (`continue_final`) instead of opening a new turn. The whole
+episode is then one user message and one growing assistant message.
+
 Nothing a server answers hangs or loses an episode: a malformed call (arguments that are not a JSON
 object, an unknown tool, no name) becomes an error observation the model reads (the env's own); an
 empty answer, an HTTP error or an unreachable server (after the client's bounded retries) ends the
@@ -21,10 +29,16 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pacerl.agents.engine.openai_chat import ChatAnswer, ChatToolCall, OpenAIChatClient, ServedModelError
+from pacerl.agents.engine.openai_chat import (
+    ChatAnswer,
+    ChatToolCall,
+    OpenAIChatClient,
+    OpenAIChatOptions,
+    ServedModelError,
+)
 from pacerl.agents.evaluation.config import EvalConfig
 from pacerl.agents.evaluation.report import EpisodeOutcome
 from pacerl.agents.trajectory import Status
@@ -96,11 +110,14 @@ async def play_episode(
     observation, _ = env.reset(options={"task": task})
     episode = ServedEpisode(episode_id, task.id, Status.RUNNING, messages=[dict(m) for m in observation])
     tools = [_openai_tool(schema) for schema in env.tool_schemas()] if client.options.tools else []
+    stops = served_stop_strings(client.options, env)
+    inline = bool(getattr(env, "inline_observations", False))
     while True:
         room = config.max_total_tokens - episode.context_tokens
         if room <= 0:
             return _end(episode, Status.TRUNCATED, "context budget exhausted", 0.0)
         seed = zlib.crc32(f"{config.seed}/{episode_id}/{episode.turns}".encode()) & 0x7FFFFFFF
+        continuing = inline and episode.messages[-1]["role"] == "assistant"
         try:
             answer = await client.complete(
                 episode.messages,
@@ -109,27 +126,66 @@ async def play_episode(
                 temperature=config.temperature,
                 top_p=config.top_p,
                 seed=seed,
+                stop=stops,
+                continue_final=continuing,
             )
         except ServedModelError as error:
             return _end(episode, Status.FAILED, f"engine failed: {error}", None)
+        answer = replace(answer, content=restore_stop(answer, stops))
         episode.turns += 1
         episode.completion_tokens += answer.completion_tokens
         episode.context_tokens = answer.prompt_tokens + answer.completion_tokens
-        episode.messages.append(answer.message())
+        if continuing:
+            episode.messages[-1]["content"] += answer.content
+        else:
+            episode.messages.append(answer.message())
         if not answer.content.strip() and not answer.tool_calls:
             return _end(episode, Status.FAILED, f"empty answer (finish_reason {answer.finish_reason})", None)
-        action, spans = _action(answer)
+        action, spans = (answer.content, []) if inline else _action(answer)
         observation, reward, terminated, truncated, info = await env.astep(action)
         episode.env_info = info
         if terminated or truncated:
             status = Status.COMPLETED if terminated else Status.TRUNCATED
             reason = "" if terminated else str(info.get("truncation_reason") or "truncated")
             return _end(episode, status, reason, float(reward))
-        if answer.tool_calls:
+        if inline:  # the observation continues the assistant's text, as the rollout driver appends it
+            episode.messages[-1]["content"] += "".join(m["content"] for m in observation)
+        elif answer.tool_calls:
             episode.messages += _tool_messages(env, action, spans, answer.tool_calls, observation)
         else:  # calls written in the text: the observations come back as the template would render them
             blocks = "\n".join(f"<tool_response>\n{m['content']}\n</tool_response>" for m in observation)
             episode.messages.append({"role": "user", "content": blocks})
+
+
+def served_stop_strings(options: OpenAIChatOptions, env: ToolEnv) -> tuple[str, ...]:
+    """The stop strings of an episode's requests: the env's own (`stop_strings`, e.g. Search-R1's
+    `</search>`, `</answer>`), then the client's; a ValueError past the API's four."""
+    stops = tuple(dict.fromkeys([*getattr(env, "stop_strings", ()), *options.stop]))
+    if len(stops) > 4:
+        raise ValueError(
+            f"the env's stop strings and openai.stop make {len(stops)} (the API takes at most 4): {stops}"
+        )
+    return stops
+
+
+def restore_stop(answer: ChatAnswer, stops: Sequence[str]) -> str:
+    """The answer's text with the stop string the server cut from it put back, so the env reads the
+    turn as a local engine (which keeps it) would have generated it. The server's own word on which
+    stop matched (`matched_stop`) decides; a server that does not say (OpenAI's API) gets the stop
+    string `</tag>` whose opening `<tag>` the text leaves unclosed, the latest opened when several are.
+    An answer that ended otherwise (`length`, `tool_calls`) or already ends in a stop is left as it is."""
+    text = answer.content
+    if answer.finish_reason != "stop" or not stops or any(text.endswith(s) for s in stops):
+        return text
+    if answer.matched_stop is not None:
+        return text + answer.matched_stop if answer.matched_stop in stops else text
+    unclosed = [
+        (opened, stop)
+        for stop in stops
+        if stop.startswith("</") and stop.endswith(">")
+        and (opened := text.rfind("<" + stop[2:])) > text.rfind(stop)
+    ]  # fmt: skip
+    return text + max(unclosed)[1] if unclosed else text
 
 
 def _end(episode: ServedEpisode, status: Status, reason: str, reward: float | None) -> ServedEpisode:

@@ -16,12 +16,19 @@ from pacerl.agents.engine.embedded import EmbeddedEngine
 from pacerl.agents.engine.openai_chat import ChatAnswer, ChatToolCall, OpenAIChatClient, OpenAIChatOptions
 from pacerl.agents.evaluation.config import EvalConfig
 from pacerl.agents.evaluation.play import evaluate_served
-from pacerl.agents.evaluation.served import NOT_RUN, ServedEpisode, play_episode
+from pacerl.agents.evaluation.served import (
+    NOT_RUN,
+    ServedEpisode,
+    play_episode,
+    restore_stop,
+    served_stop_strings,
+)
 from pacerl.agents.models import TinyMoEConfig, build_tiny_moe
 from pacerl.agents.tokenizer import tiny_tokenizer
 from pacerl.agents.trajectory import Status
 from pacerl.envs import Task, ToolEnvConfig, load_tasks
 from pacerl.envs.code_math import CodeMathEnv
+from pacerl.envs.search import SEARCH_R1_STOP, SearchR1Env
 from pacerl.openai_app import create_app
 from tests.helpers import ThreadServer, free_port
 from tests.pacerl.helpers import TextEngine
@@ -214,3 +221,51 @@ async def test_a_dead_server_and_http_errors_are_counted_failures() -> None:
         await wrong.aclose()
     [(reason, count)] = refused.failures.items()
     assert reason == "failed: engine failed: HTTP 404: The model `other` does not exist." and count == 4
+
+
+def test_the_trimmed_stop_string_is_put_back() -> None:
+    """The server's word on the matched stop decides; without it, the stop `</tag>` that closes the
+    text's last unclosed `<tag>`; answers cut for length, already ending in a stop, or stopped by the
+    end of sequence are left alone."""
+    stops = SEARCH_R1_STOP
+
+    def stopped(content: str, matched: str | None = None, finish: str = "stop") -> str:
+        return restore_stop(ChatAnswer(content, (), finish, 1, 1, matched), stops)
+
+    assert stopped("<think>x</think> <search> Paris ") == "<think>x</think> <search> Paris </search>"
+    assert stopped("<search> a </search> <answer> b ") == "<search> a </search> <answer> b </answer>"
+    assert stopped("<answer> b ", matched="</answer>") == "<answer> b </answer>"
+    assert stopped("no tags", matched="</search>") == "no tags</search>"  # the server said so
+    assert stopped("<search> a ", matched="<|im_end|>") == "<search> a "  # not one of ours
+    assert stopped("<answer> b </answer>") == "<answer> b </answer>"
+    assert stopped("<search> a </search>") == "<search> a </search>"
+    assert stopped("<search> a ", finish="length") == "<search> a "
+    assert stopped("plain text") == "plain text"
+    assert restore_stop(ChatAnswer("<search> a ", (), "stop", 1, 1), ()) == "<search> a "
+    env = SearchR1Env(tasks=[TASK])
+    assert served_stop_strings(OpenAIChatOptions(), env) == SEARCH_R1_STOP
+    assert served_stop_strings(OpenAIChatOptions(stop=("</answer>", "STOP")), env) == (
+        *SEARCH_R1_STOP,
+        "STOP",
+    )
+    assert served_stop_strings(OpenAIChatOptions(stop=("x",)), CodeMathEnv(tasks=[TASK])) == ("x",)
+    with pytest.raises(ValueError, match="the API takes at most 4"):
+        served_stop_strings(OpenAIChatOptions(stop=("a", "b", "c")), env)
+    env.close()
+
+
+async def test_search_r1_turns_continue_one_assistant_message() -> None:
+    """A scripted server that trims stops and does not say which: each turn continues the assistant's
+    text, with the passages appended as the env wrote them, and the episode scores its answer."""
+    client = ScriptedClient([answer("<search> Orlo "), answer("<think>ok</think> <answer> 42 ")])
+    env = SearchR1Env(tasks=[TASK], retriever_url="http://127.0.0.1:1")  # unreachable: an error passage
+    try:
+        episode = await play_episode(client, env, TASK, CONFIG, "episode")
+    finally:
+        env.close()
+    assert (episode.status, episode.reward, episode.turns) == (Status.COMPLETED, 1.0, 2)
+    first, second = (messages for messages, _ in client.requests)
+    assert [m["role"] for m in first] == ["user"] and [m["role"] for m in second] == ["user", "assistant"]
+    assert second[1]["content"].startswith("<search> Orlo </search>\n\n<information>Error: ")
+    assert second[1]["content"].endswith("</information>\n\n")
+    assert episode.messages[-1]["content"] == second[1]["content"] + "<think>ok</think> <answer> 42 </answer>"

@@ -5,18 +5,27 @@ the papers' layout; a local model and a served one (`engine_backend=openai`) ali
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pacerl.agents.engine.embedded import EmbeddedEngine
-from pacerl.agents.evaluation.benchmarks import BENCHMARKS, SUITES
+from pacerl.agents.engine.openai_chat import OpenAIChatClient, OpenAIChatOptions
+from pacerl.agents.engine.protocol import FinishReason, Generation, SamplingParams
+from pacerl.agents.evaluation.benchmarks import BENCHMARKS, SUITES, load_benchmark
+from pacerl.agents.evaluation.config import EvalConfig
+from pacerl.agents.evaluation.play import evaluate, evaluate_served
+from pacerl.agents.evaluation.served import ServedEpisode
 from pacerl.agents.models import build_tiny_moe, load_model, save_model
 from pacerl.agents.tokenizer import tiny_tokenizer
 from pacerl.config import ConfigError
+from pacerl.envs.search import SEARCH_R1_STOP, SearchR1Env, search_r1_prompt, search_r1_question
 from pacerl.evaluate import main_eval
 from pacerl.openai_app import create_app
 from tests.helpers import ThreadServer
+from tests.scripted import ScriptedEngineBase
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "suites"
 ROOMY = ["evaluation.settings.max_new_tokens=4", "evaluation.settings.max_total_tokens=1024"]
@@ -106,3 +115,69 @@ def test_every_named_suite_evaluates_on_its_fixtures(suite: str, model_dir: Path
     assert [b["name"] for b in data["benchmarks"]] == list(SUITES[suite])
     assert all(b["tasks"] == 3 and b["k"] == 1 for b in data["benchmarks"])
     assert all(BENCHMARKS[b["name"]].env_id == b["env_id"] for b in data["benchmarks"])
+
+
+class SearchR1Stub(ScriptedEngineBase):
+    """A Search-R1 policy, as a real engine runs it: each turn cut after the first stop string it
+    holds (kept, as engines keep it). It searches the question, over-generating made-up passages past
+    `</search>`; it answers only when the retrieved `<information>` continues its own turn, the way
+    Search-R1 poses it (not after a new turn)."""
+
+    def __init__(self, tokenizer: Any, answers: dict[str, str]) -> None:
+        self.tokenizer, self.answers = tokenizer, answers
+
+    def reply(self, prompt: str) -> str:
+        question = next(q for q in self.answers if f"Question: {q}" in prompt)
+        if prompt.endswith("</information>\n\n"):
+            return f"<think>Found it.</think>\n<answer> {self.answers[question]} </answer> Done."
+        if "<information>" in prompt.partition(f"Question: {question}")[2]:
+            return "<answer> lost </answer>"
+        return f"<think>I lack knowledge.</think>\n<search> {question} </search>\n\n<information>made up"
+
+    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, **_: Any) -> Generation:
+        text = self.reply(self.tokenizer.decode(list(input_ids), skip_special_tokens=False))
+        found = [(i + len(s), s) for s in sampling.stop_strings if (i := text.find(s)) != -1]
+        end = [self.tokenizer.eos_token_id] if not found else []
+        text = text[: min(found)[0]] if found else text
+        tokens = (*self.tokenizer.encode(text, add_special_tokens=False), *end)
+        return Generation(tokens, (-0.25,) * len(tokens), (0,) * len(tokens), FinishReason.STOP)
+
+
+async def test_search_r1_served_scores_as_local() -> None:
+    """HotpotQA through Search-R1's env: the served model gets the env's stop strings, its trimmed stop
+    is put back, and the passages continue its turn as `<information>`, so it scores as the local path
+    does, with or without `openai.stop` set."""
+    tokenizer = tiny_tokenizer()
+    tasks = load_benchmark("hotpotqa", mirror=FIXTURES)
+    stub = SearchR1Stub(
+        tokenizer, {str(search_r1_question(search_r1_prompt(t.question))): t.answer for t in tasks}
+    )
+    config = EvalConfig(
+        samples=1, temperature=0.0, stop_strings=SEARCH_R1_STOP, max_new_tokens=64, max_total_tokens=4096
+    )
+    with SearchR1Env.services({}) as service:
+
+        def make_env() -> SearchR1Env:
+            return SearchR1Env(tasks=tasks, retriever_url=service["retriever_url"])
+
+        local = await evaluate(stub, tokenizer, make_env, tasks, config)
+        with ThreadServer(create_app(stub, tokenizer, model_name="stub")) as server:
+            served = {}
+            for stop in ((), SEARCH_R1_STOP):
+                client = OpenAIChatClient(OpenAIChatOptions(base_url=f"{server.url}/v1", stop=stop))
+                groups: list[Sequence[ServedEpisode]] = []
+                served[stop] = await evaluate_served(client, make_env, tasks, config, on_group=groups.append)
+                await client.aclose()
+    assert local.avg_at_k == 1.0 and local.mean_turns == 2.0
+    for report in served.values():
+        assert [r.correct for r in report.per_task] == [r.correct for r in local.per_task]
+        assert report.avg_at_k == local.avg_at_k and report.mean_turns == local.mean_turns
+        assert report.config.stop_strings == SEARCH_R1_STOP
+    (episode,) = groups[0]
+    user, assistant = episode.messages
+    assert user["role"] == "user" and assistant["role"] == "assistant"
+    searched, _, rest = assistant["content"].partition("</search>\n\n<information>Doc 1(Title: ")
+    assert "<search>" in searched and rest.endswith(
+        f"</information>\n\n<think>Found it.</think>\n<answer> {tasks[0].answer} </answer>"
+    )
+    assert "made up" not in assistant["content"] and "<tool_response>" not in assistant["content"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -623,3 +624,74 @@ def test_every_error_has_the_apis_shape(scripted: tuple[openai.OpenAI, TextEngin
     )
     assert chunked.status_code == 413
     assert api_error(chunked.content)["message"] == f"request body larger than {16 * MIB} bytes"
+
+
+def test_what_the_server_cannot_honour_is_refused(scripted: tuple[openai.OpenAI, TextEngine]) -> None:
+    """A request field this server would otherwise ignore is a 400 in the API's shape naming it, so a
+    client never takes a free answer for a constrained one; `{"type": "text"}` and defaults pass."""
+    api, engine = scripted
+    engine.reply = lambda prompt: "fine"
+    refused = {
+        "response_format": {"type": "json_object"},
+        "frequency_penalty": 0.5,
+        "presence_penalty": -1.0,
+        "repetition_penalty": 1.2,
+        "min_p": 0.1,
+        "logit_bias": {"7": 10},
+        "parallel_tool_calls": False,
+        "include_stop_str_in_output": True,
+    }
+    for name, value in refused.items():
+        with pytest.raises(openai.BadRequestError) as error:
+            api.chat.completions.create(model="scripted", messages=QUESTION, extra_body={name: value})  # type: ignore[arg-type]
+        assert error.value.status_code == 400 and isinstance(error.value.body, dict)
+        assert error.value.body["param"] == name and error.value.body["type"] == "invalid_request_error"
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match=re.escape("only {'type': 'text'} is supported")):
+        api.chat.completions.create(model="scripted", messages=QUESTION, response_format=schema)  # type: ignore[arg-type]
+    samplings: list[SamplingParams] = []
+    generate = engine.generate
+
+    async def recording(input_ids: Sequence[int], sampling: SamplingParams, **kwargs: Any) -> Generation:
+        samplings.append(sampling)
+        return await generate(input_ids, sampling, **kwargs)
+
+    engine.generate = recording  # type: ignore[method-assign]
+    fine = api.chat.completions.create(
+        model="scripted", messages=QUESTION, response_format={"type": "text"}, frequency_penalty=0,  # type: ignore[arg-type]
+        extra_body={"top_k": 5},
+    )  # fmt: skip
+    assert fine.choices[0].message.content == "fine" and [s.top_k for s in samplings] == [5]
+
+
+def test_template_artefacts_are_stripped_and_the_matched_stop_named(
+    scripted: tuple[openai.OpenAI, TextEngine],
+) -> None:
+    api, engine = scripted
+    engine.reply = lambda prompt: "<|im_start|>assistant\nThe answer is 42.<|im_end|>\n<|pad|>"
+    answer = api.chat.completions.create(model="scripted", messages=QUESTION)  # type: ignore[arg-type]
+    assert answer.choices[0].message.content == "assistant\nThe answer is 42.\n"
+    engine.reply = lambda prompt: "<search> capital of France </search> made up"
+    cut = api.chat.completions.create(model="scripted", messages=QUESTION, stop=["</answer>", "</search>"])  # type: ignore[arg-type]
+    choice = cut.choices[0]
+    assert (choice.message.content, choice.finish_reason) == ("<search> capital of France ", "stop")
+    assert getattr(choice, "stop_reason", None) == "</search>"  # vLLM's field
+
+
+def test_the_final_assistant_message_can_be_continued(scripted: tuple[openai.OpenAI, TextEngine]) -> None:
+    """vLLM's `continue_final_message`: the prompt is the conversation before it with the generation
+    prompt, then its text as it is (no end of turn), as a local rollout continues inline observations."""
+    api, engine = scripted
+    engine.reply = lambda prompt: " more"
+    so_far = {"role": "assistant", "content": "<search> q </search>\n\n<information>Doc 1</information>\n\n"}
+    continued = {"continue_final_message": True, "add_generation_prompt": False}
+    api.chat.completions.create(model="scripted", messages=[*QUESTION, so_far], extra_body=continued)  # type: ignore[arg-type]
+    opened = engine.tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    assert engine.prompts[-1] == opened + so_far["content"]
+    for messages, body in (([*QUESTION, so_far], {"continue_final_message": True}), (QUESTION, continued)):
+        with pytest.raises(openai.BadRequestError, match="continue_final_message needs"):
+            api.chat.completions.create(model="scripted", messages=messages, extra_body=body)  # type: ignore[arg-type]
+    closing = {"add_generation_prompt": False}
+    api.chat.completions.create(model="scripted", messages=QUESTION, extra_body=closing)  # type: ignore[arg-type]
+    closed = engine.tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=False)
+    assert engine.prompts[-1] == closed
