@@ -231,6 +231,7 @@ def _run_suite(
     user_env = {key: getattr(config.env, key) for key in env_keys if key in chosen_env}
     seed_everything(config)
     loaded: dict[str, tuple[Any, Any]] = {}  # the model, loaded once for every benchmark
+    order = {benchmark.name: index for index, benchmark in enumerate(members, start=1)}
 
     def evaluate_benchmark(benchmark: Benchmark) -> EvalReport:
         cls = env_class(benchmark.env_id)
@@ -247,7 +248,9 @@ def _run_suite(
             def tagged(lines: Sequence[dict[str, Any]]) -> None:
                 keep([{"benchmark": benchmark.name, **line} for line in lines])
 
-            return _run_eval(config, make_env, settings, f"{subject} on {benchmark.title}", tagged, loaded)
+            position = f"{benchmark.name} ({order[benchmark.name]}/{len(members)})"  # where the suite is
+            label = f"{subject} on {benchmark.title}"
+            return _run_eval(config, make_env, settings, label, tagged, loaded, progress=f"eval {position}")
 
     return run_suite(suite, evaluate_benchmark, label=subject)
 
@@ -267,20 +270,22 @@ def _run_eval(
     label: str,
     keep: Callable[[Sequence[dict[str, Any]]], None],
     loaded: dict[str, tuple[Any, Any]],
+    *,
+    progress: str = "eval",
 ) -> EvalReport:
     """Evaluate on the tasks `make_env`'s envs hold, sampled as `settings` say, with the engine
     `config.engine_backend` names: the embedded engine serving `model.path`, an SGLang server, or a
-    served chat-completions model."""
+    served chat-completions model; the progress display is labelled `progress`."""
 
     async def run() -> EvalReport:
         probe = make_env()  # the tasks exactly as the env loaded them (as `pacerl train` takes them)
         tasks = probe.tasks
         probe.close()
         chosen = len(tasks) if settings.max_tasks is None else min(len(tasks), settings.max_tasks)
-        with EpisodeDisplay("eval", chosen * settings.samples) as progress:
+        with EpisodeDisplay(progress, chosen * settings.samples) as display:
             if config.engine_backend == "openai":
-                return await _served(config, make_env, tasks, settings, label, keep, progress)
-            return await _local(config, make_env, tasks, settings, label, keep, loaded, progress)
+                return await _served(config, make_env, tasks, settings, label, keep, display)
+            return await _local(config, make_env, tasks, settings, label, keep, loaded, display)
 
     return asyncio.run(run())
 

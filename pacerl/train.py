@@ -9,6 +9,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -316,10 +317,18 @@ def main_sft(config_path: str | None, overrides: list[str], out: str) -> int:
     return 0
 
 
+HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai")
+"""The HTTP clients' loggers: httpx and httpx2 (the openai client's) log a line per request at INFO,
+openai one per retried request."""
+
+
 def quiet_logging() -> None:
-    """pacerl's own progress lines; the HTTP clients' per-request lines only when something fails."""
+    """pacerl's own progress lines; the HTTP clients' per-request lines only when something fails, or
+    always with `PACERL_LOG_HTTP=1` (to see what a served evaluation sends)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for name in ("httpx", "httpcore", "openai", "tensorboardX"):  # openai: a line per retried request
-        logging.getLogger(name).setLevel(logging.WARNING)
+    http_level = logging.INFO if os.environ.get("PACERL_LOG_HTTP") == "1" else logging.WARNING
+    for name in HTTP_LOGGERS:
+        logging.getLogger(name).setLevel(http_level)
+    logging.getLogger("tensorboardX").setLevel(logging.WARNING)
     # transformers' save_pretrained bar would interleave with ours
     transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]

@@ -122,7 +122,8 @@ def test_a_served_model_is_evaluated_through_the_openai_backend(
     assert all(any(m["role"] == "assistant" for m in e["messages"]) for e in served)
     progress = [r.getMessage() for r in caplog.records if r.name == "pacerl.display"]
     assert [line.split("  ")[0] for line in progress] == [f"eval episode {k}/4" for k in (1, 2, 3, 4)]
-    assert all(re.search(r"  \d+\.\d tokens/s  \d+ s left$", line) for line in progress), progress
+    pace = r"  \d+\.\d tokens/s  \d+\.\d\d (episodes/s|s/episode)  ETA \d+:\d\d:\d\d$"
+    assert all(re.search(pace, line) for line in progress), progress
 
 
 def test_a_dead_server_is_counted_not_hung_and_training_refuses_the_backend(tmp_path: Path) -> None:
