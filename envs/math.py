@@ -5,8 +5,10 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from pacerl.envs.base import ToolEnv, ToolEnvConfig
+from pacerl.envs.parsing import extract_boxed
 from pacerl.envs.rewards import Reward, boxed_math_reward
 from pacerl.envs.spaces import Message
 from pacerl.envs.tasks import Task, load_tasks
@@ -32,7 +34,8 @@ class MathEnv(ToolEnv):
 
     ## Arguments
     `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default `math-train`);
-    `config`: a `ToolEnvConfig` (its turn limit is forced to 1); `render_mode`: None or "ansi".
+    `config`: a `ToolEnvConfig`, whose fields are also keyword arguments (its turn limit is forced to
+    1); `render_mode`: None or "ansi".
 
     ## Version History
     - v0: first version.
@@ -47,8 +50,9 @@ class MathEnv(ToolEnv):
         tasks: str | Sequence[Task] = "math-train",
         config: ToolEnvConfig | None = None,
         render_mode: str | None = None,
+        **config_fields: Any,
     ) -> None:
-        config = replace(config or ToolEnvConfig(), max_turns=1, max_tool_calls=0)
+        config = replace(self.resolve_config(config, **config_fields), max_turns=1, max_tool_calls=0)
         super().__init__(load_tasks(tasks) if isinstance(tasks, str) else tasks, config, render_mode)
 
     def initial_messages(self, task: Task) -> list[Message]:
@@ -56,6 +60,10 @@ class MathEnv(ToolEnv):
 
     def score(self, task: Task, final_message: str) -> Reward:
         return boxed_math_reward(final_message, task.answers, self.config.format_weight)
+
+    def final_answer(self, final_message: str) -> str | None:
+        """The answer `score` judges: the last `\\boxed{}`'s content (for maj@k's vote)."""
+        return extract_boxed(final_message)
 
     def demonstration(self, task: Task, style: str, rng: random.Random) -> list[Message]:
         """`clean`: `\\boxed{N}` directly."""

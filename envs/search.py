@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 from pacerl.envs.base import ToolEnv, ToolEnvConfig
-from pacerl.envs.parsing import Parsed, ToolCall
+from pacerl.envs.parsing import Parsed, ToolCall, extract_tag
 from pacerl.envs.retriever import BM25Index, local_retriever
 from pacerl.envs.rewards import Reward, answer_tag_reward, exact_match, f1_score
 from pacerl.envs.spaces import Message
@@ -108,6 +108,10 @@ class SearchEnv(ToolEnv):
 
     def score(self, task: Task, final_message: str) -> Reward:
         return answer_tag_reward(final_message, task.answers, self.config.format_weight)
+
+    def final_answer(self, final_message: str) -> str | None:
+        """The answer `score` judges: the last `<answer>` element's content (for maj@k's vote)."""
+        return extract_tag(final_message, "answer")
 
     def parse(self, action: str) -> Parsed:
         """Hermes tool calls, and Search-R1's own `<search>query</search>` tags."""

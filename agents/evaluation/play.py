@@ -19,10 +19,17 @@ from typing import Any, TypeVar
 from pacerl.agents.engine.openai_chat import OpenAIChatClient
 from pacerl.agents.engine.protocol import Engine
 from pacerl.agents.evaluation.config import EvalConfig
-from pacerl.agents.evaluation.report import EpisodeOutcome, EvalReport, build_report, trajectory_outcome
+from pacerl.agents.evaluation.report import (
+    EpisodeOutcome,
+    EvalReport,
+    build_report,
+    final_answer,
+    last_turn_text,
+    trajectory_outcome,
+)
 from pacerl.agents.evaluation.served import ServedEpisode, play_episode, served_stop_strings
 from pacerl.agents.rollout import RolloutDriver
-from pacerl.agents.trajectory import Trajectory
+from pacerl.agents.trajectory import Status, Trajectory
 from pacerl.envs import Task, ToolEnv
 
 Episode = TypeVar("Episode")
@@ -54,9 +61,18 @@ async def evaluate(
     async def play(task: Task) -> list[Trajectory]:
         return await driver.rollout_group(task, group_id=f"eval/{task.id}")
 
+    probe = make_env()
+    vote = callable(getattr(probe, "final_answer", None))
+    probe.close()
     groups, wall = await _play_groups(chosen, config, play, on_group)
-    outcomes = [[trajectory_outcome(t) for t in group] for group in groups]
-    return build_report(chosen, outcomes, config, engine.version, label, wall)
+
+    def outcome(trajectory: Trajectory) -> EpisodeOutcome:
+        if not vote or trajectory.status is not Status.COMPLETED:
+            return trajectory_outcome(trajectory)
+        return trajectory_outcome(trajectory, final_answer(probe, last_turn_text(trajectory, tokenizer)))
+
+    outcomes = [[outcome(t) for t in group] for group in groups]
+    return build_report(chosen, outcomes, config, engine.version, label, wall, vote=vote)
 
 
 async def evaluate_served(
@@ -96,10 +112,11 @@ async def evaluate_served(
 
     probe = make_env()
     stops = served_stop_strings(client.options, probe)  # the env's and the client's
+    vote = callable(getattr(probe, "final_answer", None))
     probe.close()
     groups, wall = await _play_groups(chosen, config, play, on_group)
     ran = replace(config, stop_strings=stops, tool_schemas_in_prompt=client.options.tools)
-    return served_report(chosen, groups, ran, label, wall)
+    return served_report(chosen, groups, ran, label, wall, vote=vote)
 
 
 def served_report(
@@ -108,10 +125,13 @@ def served_report(
     config: EvalConfig,
     label: str,
     wall: float,
+    *,
+    vote: bool = False,
 ) -> EvalReport:
-    """The `EvalReport` of served episodes, computed as `evaluate` computes it from trajectories."""
+    """The `EvalReport` of served episodes, computed as `evaluate` computes it from trajectories
+    (`vote`: report maj@K from the episodes' answers)."""
     outcomes: list[list[EpisodeOutcome]] = [[episode.outcome() for episode in group] for group in groups]
-    return build_report(tasks, outcomes, config, 0, label, wall)
+    return build_report(tasks, outcomes, config, 0, label, wall, vote=vote)
 
 
 def chosen_tasks(tasks: Sequence[Task], config: EvalConfig) -> list[Task]:

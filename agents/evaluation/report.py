@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pacerl.agents.evaluation.config import EvalConfig
-from pacerl.agents.evaluation.scores import avg_at_k, pass_at_k
+from pacerl.agents.evaluation.scores import avg_at_k, majority_correct, pass_at_k
 from pacerl.agents.trajectory import Origin, Status, Trajectory
 from pacerl.envs import Task
 
@@ -32,6 +32,9 @@ class TaskResult:
     """Episodes played on it."""
     correct: int
     """Of those, the episodes whose reward reached the threshold."""
+    majority_correct: bool | None = None
+    """Whether the answer most of its episodes gave is a correct one (`majority_correct`); None when
+    the env extracts no answers."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,10 @@ class EvalReport:
     """Wall-clock time of the whole evaluation."""
     config: EvalConfig
     """The config it ran with."""
+    maj_at_k: float | None = None
+    """maj@K: the share of tasks whose K episodes' most frequent final answer is correct
+    (`scores.majority_correct`: ties go to the answer given first); None when the env extracts no
+    answers (it has no `final_answer`)."""
 
     @property
     def failed_episodes(self) -> int:
@@ -81,7 +88,10 @@ class EvalReport:
         data["failures"] = dict(self.failures)
         data["config"]["ks"] = list(self.config.ks)
         data["config"]["stop_strings"] = list(self.config.stop_strings)
-        data["per_task"] = [asdict(result) for result in self.per_task]
+        data["per_task"] = [
+            {k: v for k, v in asdict(result).items() if v is not None or k != "majority_correct"}
+            for result in self.per_task
+        ]  # an env that extracts no answers leaves maj@k out of each task's entry
         return data
 
     def table(self) -> str:
@@ -94,6 +104,7 @@ class EvalReport:
             ("episodes", f"{self.episodes} ({self.samples} per task)"),
             (f"avg@{self.samples}", f"{self.avg_at_k:.3f}"),
             *((f"pass@{k}", f"{value:.3f}") for k, value in self.pass_at_k.items()),
+            *([(f"maj@{self.samples}", f"{self.maj_at_k:.3f}")] if self.maj_at_k is not None else []),
             ("mean reward", f"{self.mean_reward:.3f}"),
             ("tool-call rate", f"{self.tool_call_rate:.3f}"),
             ("mean turns", f"{self.mean_turns:.2f}"),
@@ -121,6 +132,8 @@ class EpisodeOutcome:
     called_a_tool: bool
     turns: int
     generated_tokens: int
+    answer: str | None = None
+    """The final answer the env extracted from the episode's last message (`final_answer`), if any."""
 
 
 def build_report(
@@ -130,16 +143,22 @@ def build_report(
     version: int,
     label: str,
     wall: float,
+    *,
+    vote: bool = False,
 ) -> EvalReport:
-    """The `EvalReport` of each task's episodes (`groups`, in the order of `tasks`)."""
+    """The `EvalReport` of each task's episodes (`groups`, in the order of `tasks`); with `vote` (the
+    env extracts final answers), maj@K from the episodes' `answer`s."""
     episodes = [outcome for group in groups for outcome in group]
     if not episodes:
         raise ValueError("no episodes to report")
     threshold = config.success_threshold
-    results = tuple(
-        TaskResult(task.id, len(group), sum(e.reward is not None and e.reward >= threshold for e in group))
-        for task, group in zip(tasks, groups, strict=True)
-    )
+
+    def result(task: Task, group: Sequence[EpisodeOutcome]) -> TaskResult:
+        correct = [e.reward is not None and e.reward >= threshold for e in group]
+        majority = majority_correct([e.answer for e in group], correct) if vote else None
+        return TaskResult(task.id, len(group), sum(correct), majority)
+
+    results = tuple(result(task, group) for task, group in zip(tasks, groups, strict=True))
     failures = Counter(
         f"{e.status.value}: {e.status_reason}" for e in episodes if e.status is not Status.COMPLETED
     )
@@ -160,11 +179,12 @@ def build_report(
         per_task=results,
         wall_seconds=wall,
         config=config,
+        maj_at_k=_mean(float(bool(r.majority_correct)) for r in results) if vote else None,
     )
 
 
-def trajectory_outcome(trajectory: Trajectory) -> EpisodeOutcome:
-    """What the report counts of an episode the rollout driver played."""
+def trajectory_outcome(trajectory: Trajectory, answer: str | None = None) -> EpisodeOutcome:
+    """What the report counts of an episode the rollout driver played (`answer`: its final answer)."""
     return EpisodeOutcome(
         trajectory.status,
         trajectory.status_reason,
@@ -172,7 +192,23 @@ def trajectory_outcome(trajectory: Trajectory) -> EpisodeOutcome:
         _called_a_tool(trajectory),
         trajectory.num_turns,
         trajectory.num_model_tokens,
+        answer,
     )
+
+
+def last_turn_text(trajectory: Trajectory, tokenizer: Any) -> str:
+    """The text the model generated after the episode's last tool response: its final message."""
+    turn: list[int] = []
+    for segment in trajectory.segments[1:]:
+        turn = [*turn, *segment.tokens] if segment.origin is Origin.MODEL else []
+    return str(tokenizer.decode(turn, skip_special_tokens=True))
+
+
+def final_answer(env: Any, final_message: str) -> str | None:
+    """The env's reading of a final message's answer (its `final_answer`, e.g. the last `\\boxed{}`
+    for Math, the last `<answer>` for Search-R1); None when it has none or the env extracts none."""
+    extract = getattr(env, "final_answer", None)
+    return extract(final_message) if callable(extract) else None
 
 
 def _called_a_tool(trajectory: Trajectory) -> bool:

@@ -40,7 +40,7 @@ from pacerl.agents.engine.openai_chat import (
     ServedModelError,
 )
 from pacerl.agents.evaluation.config import EvalConfig
-from pacerl.agents.evaluation.report import EpisodeOutcome
+from pacerl.agents.evaluation.report import EpisodeOutcome, final_answer
 from pacerl.agents.trajectory import Status
 from pacerl.envs import Task, ToolEnv
 from pacerl.envs.parsing import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
@@ -72,6 +72,8 @@ class ServedEpisode:
     """The last answer's prompt plus completion tokens: the conversation's length so far."""
     env_info: dict[str, Any] = field(default_factory=dict)
     """The env's info of its last step."""
+    answer: str | None = None
+    """The final answer the env extracted from a completed episode's last answer (`final_answer`)."""
 
     @property
     def tool_calls(self) -> int:
@@ -96,6 +98,7 @@ class ServedEpisode:
             self.tool_calls > 0,
             self.turns,
             self.completion_tokens,
+            self.answer,
         )
 
 
@@ -144,6 +147,8 @@ async def play_episode(
         action, spans = (answer.content, []) if inline else _action(answer)
         observation, reward, terminated, truncated, info = await env.astep(action)
         episode.env_info = info
+        if terminated:
+            episode.answer = final_answer(env, answer.content)
         if terminated or truncated:
             status = Status.COMPLETED if terminated else Status.TRUNCATED
             reason = "" if terminated else str(info.get("truncation_reason") or "truncated")

@@ -1,8 +1,8 @@
 """Benchmark suites: evaluate every benchmark of a suite (`pacerl.agents.evaluation.benchmarks`) and report
-avg@k and pass@k per benchmark and their average, as the tables of papers do.
+avg@k, pass@k and maj@k per benchmark and their average, as the tables of papers do.
 
     result = run_suite("math", evaluate_benchmark, label="Qwen3-1.7B")
-    print(result.table())        # benchmarks as columns, then Avg.; rows avg@k and pass@k per model
+    print(result.table())        # benchmarks as columns, then Avg.; rows avg@k, pass@k (and maj@k)
     print(result.markdown())     # the same table in Markdown
     json.dumps(result.to_json())
 
@@ -11,7 +11,9 @@ env (`benchmark.env_id`) with a config from `benchmark_eval_config` and returns 
 
 The layout: one column per benchmark, its header naming k (`AIME24 (k=32)`), then `Avg.`; two rows per
 model, `avg@k` (the mean correctness of the k samples, the expected pass@1) and `pass@k` (the unbiased
-estimator at that benchmark's k), in percent with one decimal, since the k differ across columns (AIME
+estimator at that benchmark's k), and a third, `maj@k` (the share of tasks whose k samples' most frequent
+final answer is correct: `scores.majority_correct`) when the envs extract answers, `-` for one that does
+not; in percent with one decimal, since the k differ across columns (AIME
 avg@32, GSM8K greedy) and one cell holding both would not sort or copy. `Avg.` is the unweighted mean over
 the benchmarks, as Search-R1 and the math papers average their columns; for a greedy benchmark pass@1 is
 its avg@1.
@@ -55,6 +57,11 @@ class BenchmarkResult:
         """pass@k at k = the samples per task."""
         return self.report.pass_at_k[self.report.samples]
 
+    @property
+    def maj_at_k(self) -> float | None:
+        """maj@k at k = the samples per task; None when the env extracts no answers."""
+        return self.report.maj_at_k
+
     def to_json(self) -> dict[str, Any]:
         bench = self.benchmark
         return {
@@ -68,6 +75,7 @@ class BenchmarkResult:
             "k": self.k,
             "avg_at_k": self.avg_at_k,
             "pass_at_k": self.pass_at_k,
+            "maj_at_k": self.maj_at_k,
             "report": self.report.to_json(),
         }
 
@@ -93,12 +101,25 @@ class SuiteResult:
         """The unweighted mean of the benchmarks' pass@k (each at its own k)."""
         return sum(r.pass_at_k for r in self.results) / len(self.results)
 
+    @property
+    def average_maj_at_k(self) -> float | None:
+        """The unweighted mean of the benchmarks' maj@k; None unless every benchmark reports one."""
+        values = [r.maj_at_k for r in self.results]
+        if any(value is None for value in values):
+            return None
+        return sum(value or 0.0 for value in values) / len(values)
+
     def to_json(self) -> dict[str, Any]:
+        average = {
+            "avg_at_k": self.average_avg_at_k,
+            "pass_at_k": self.average_pass_at_k,
+            "maj_at_k": self.average_maj_at_k,
+        }
         return {
             "suite": self.suite,
             "label": self.label,
             "benchmarks": [result.to_json() for result in self.results],
-            "average": {"avg_at_k": self.average_avg_at_k, "pass_at_k": self.average_pass_at_k},
+            "average": average,
         }
 
     def table(self) -> str:
@@ -120,17 +141,21 @@ def _layout(results: Sequence[SuiteResult]) -> tuple[list[str], list[list[str]]]
     header = ["model", "metric", *(f"{title} (k={k})" for _, title, k in columns), "Avg."]
     rows = []
     for result in results:
-        for metric, values, average in (
+        metrics: list[tuple[str, list[float | None], float | None]] = [
             ("avg@k", [r.avg_at_k for r in result.results], result.average_avg_at_k),
             ("pass@k", [r.pass_at_k for r in result.results], result.average_pass_at_k),
-        ):
-            rows.append([result.label or "model", metric, *(f"{100 * v:.1f}" for v in [*values, average])])
+        ]
+        if any(r.maj_at_k is not None for r in result.results):
+            metrics.append(("maj@k", [r.maj_at_k for r in result.results], result.average_maj_at_k))
+        for metric, values, average in metrics:
+            cells = ("-" if v is None else f"{100 * v:.1f}" for v in [*values, average])
+            rows.append([result.label or "model", metric, *cells])
     return header, rows
 
 
 def suite_table(results: Sequence[SuiteResult]) -> str:
     """Several models' results on one suite as aligned text: benchmarks as columns, then Avg.; rows
-    avg@k and pass@k per model, in percent."""
+    avg@k, pass@k and (when the envs extract answers) maj@k per model, in percent."""
     header, rows = _layout(results)
     table = Table(title=f"suite {results[0].suite}")
     for index, name in enumerate(header):

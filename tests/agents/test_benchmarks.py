@@ -27,6 +27,7 @@ from pacerl.agents.evaluation.benchmarks import (
 from pacerl.agents.evaluation.config import EvalConfig
 from pacerl.agents.evaluation.play import evaluate
 from pacerl.agents.evaluation.report import EvalReport
+from pacerl.agents.evaluation.scores import majority_correct
 from pacerl.agents.evaluation.suites import benchmark_eval_config, run_suite, suite_markdown
 from pacerl.agents.tokenizer import tiny_tokenizer
 from pacerl.envs import Task
@@ -257,13 +258,41 @@ async def test_a_suite_evaluates_on_its_fixtures_into_the_papers_table(suite: st
     assert markdown[0] == "| " + " | ".join(["model", "metric", *titles, "Avg."]) + " |"
     assert markdown[2] == "| scripted | avg@k | " + " | ".join(["50.0"] * (len(names) + 1)) + " |"
     assert markdown[3] == "| scripted | pass@k | " + " | ".join(["66.7"] * (len(names) + 1)) + " |"
+    # maj@2: the first task's right and wrong answers tie, the right one came first; 2 of 3 tasks.
+    assert markdown[4] == "| scripted | maj@k | " + " | ".join(["66.7"] * (len(names) + 1)) + " |"
+    for r in result.results:
+        assert [t.majority_correct for t in r.report.per_task] == [True, True, False]
+        assert r.maj_at_k == pytest.approx(2 / 3) and "maj@2" in r.report.table()
     table = result.table()
     assert all(title.split(" (")[0] in table for title in titles) and "Avg." in table and "66.7" in table
     data = json.loads(json.dumps(result.to_json()))
     assert data["suite"] == suite and data["average"]["pass_at_k"] == pytest.approx(2 / 3)
+    assert data["average"]["maj_at_k"] == pytest.approx(2 / 3) == data["benchmarks"][0]["maj_at_k"]
     assert [b["name"] for b in data["benchmarks"]] == names and data["benchmarks"][0]["report"][
         "samples"
     ] == 2
     with pytest.raises(ValueError, match="same benchmarks and k"):
         other = run_suite(names[0], lambda benchmark: reports[benchmark.name], label="other")
         suite_markdown([result, other])
+
+
+def test_majority_vote_against_hand_counted_votes() -> None:
+    """maj@k of one task: the most frequent answer decides; ties go to the answer given first;
+    whitespace does not split votes; samples without an answer do not vote."""
+    assert majority_correct(["4", "5", "5", "4", None], [True, False, False, True, False])  # tie: 4 first
+    assert not majority_correct(["5", "4", "4", "5"], [False, True, True, False])  # tie: 5 first
+    assert not majority_correct(["1", "2", "2"], [True, False, False])  # 2 wins 2:1
+    assert (
+        majority_correct([" 1/2", "1/2 ", "0.5", "0.5", "0.5 "], [True, True, False, False, False]) is False
+    )
+    assert majority_correct([None, None, "7"], [False, False, True])  # one vote is a majority
+    assert not majority_correct([None, None], [False, False]) and not majority_correct([], [])
+    with pytest.raises(ValueError, match="one correctness per answer"):
+        majority_correct(["1"], [True, False])
+    # Three tasks, solved by the vote 0, 1, 1 of them: maj@k = 2/3.
+    votes = [
+        (["a", "b", "b"], [True, False, False]),
+        (["c", "c", None], [True, True, False]),
+        (["x"], [True]),
+    ]
+    assert sum(majority_correct(a, c) for a, c in votes) / 3 == pytest.approx(2 / 3)
