@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 from pacerl.envs.base import ToolEnv, ToolEnvConfig
 from pacerl.envs.parsing import extract_boxed
@@ -34,8 +33,7 @@ class MathEnv(ToolEnv):
 
     ## Arguments
     `tasks`: a shipped set name, a .jsonl/.parquet path, or a list of `Task`s (default `math-train`);
-    `config`: a `ToolEnvConfig`, whose fields are also keyword arguments (its turn limit is forced to
-    1); `render_mode`: None or "ansi".
+    `config`: a `ToolEnvConfig` (its turn limit is forced to 1); `render_mode`: None or "ansi".
 
     ## Version History
     - v0: first version.
@@ -50,9 +48,8 @@ class MathEnv(ToolEnv):
         tasks: str | Sequence[Task] = "math-train",
         config: ToolEnvConfig | None = None,
         render_mode: str | None = None,
-        **config_fields: Any,
     ) -> None:
-        config = replace(self.resolve_config(config, **config_fields), max_turns=1, max_tool_calls=0)
+        config = replace(config or ToolEnvConfig(), max_turns=1, max_tool_calls=0)
         super().__init__(load_tasks(tasks) if isinstance(tasks, str) else tasks, config, render_mode)
 
     def initial_messages(self, task: Task) -> list[Message]:
