@@ -30,6 +30,7 @@ from pacerl.config import ConfigError, RunConfig
 from pacerl.display import ProgressDisplay
 from pacerl.envs import Task, ToolEnv, load_tasks
 from pacerl.envs.registry import env_class, registered_kwargs
+from pacerl.envs.tools.core import SANDBOX_POLICIES, SandboxPolicy
 from pacerl.parallel import start_learner
 from pacerl.trainer.distributed import LearnerGroup
 from pacerl.trainer.evaluator import BackgroundEvaluator
@@ -65,6 +66,7 @@ def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
         max_tool_calls=spec.max_tool_calls,
         system_prompt=spec.system_prompt,
     )
+    options = replace(options, settings={**options.settings, **sandbox_settings(config)})
     if spec.retriever_url is not None:
         options = replace(options, settings={**options.settings, "retriever_url": spec.retriever_url})
 
@@ -77,6 +79,13 @@ def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
         return env
 
     return make
+
+
+def sandbox_settings(config: RunConfig) -> dict[str, Any]:
+    """The env settings that put the `python` tool in the sandbox `config.env.sandbox` names."""
+    spec = config.env.sandbox
+    policy = SandboxPolicy(backend=spec.backend, limits=spec.limits(), options=dict(spec.options))
+    return {SANDBOX_POLICIES: {"python": policy}}
 
 
 TOKENIZER_DIR = "tokenizer"

@@ -142,11 +142,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(backend=args.backend)
 
 
+_PRINT_CONFIG_HELP = (
+    "print the resolved config as JSON (what the run saves as config.json, the model's defaults filled "
+    "in) and exit without loading the model or running anything"
+)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    """`pacerl train [--config FILE] [key=value ...] [--resume RUN_DIR]`."""
+    """`pacerl train [--config FILE] [key=value ...] [--resume RUN_DIR] [--print-config]`."""
     from pacerl.train import main_train
 
-    return main_train(args.config, args.overrides, args.resume)
+    return main_train(args.config, args.overrides, args.resume, print_config=args.print_config)
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -201,6 +207,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         overrides=args.overrides,
         suite=args.suite,
         suite_dir=args.suite_dir,
+        print_config=args.print_config,
     )
 
 
@@ -257,6 +264,7 @@ def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
         metavar="DIR",
         help="read the benchmarks from <DIR>/<name>.parquet (default: $PACERL_BENCHMARK_DIR, else the hub)",
     )
+    parser.add_argument("--print-config", action="store_true", help=_PRINT_CONFIG_HELP)
     parser.set_defaults(handler=cmd_eval)
     return parser
 
@@ -289,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="a TOML or JSON run config (default: the built-in one)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
     train.add_argument("overrides", nargs="*", help="key=value settings, e.g. loop.steps=50 learner.lr=3e-5")
+    train.add_argument("--print-config", action="store_true", help=_PRINT_CONFIG_HELP)
     train.set_defaults(handler=cmd_train)
 
     sft = commands.add_parser("sft", help="warm-start a model on generated tool-use demonstrations")

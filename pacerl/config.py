@@ -8,7 +8,10 @@ loader of the project's configs.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +24,16 @@ from pacerl.agents.engine.sglang import SGLangOptions
 from pacerl.agents.evaluation.config import EvalConfig
 from pacerl.agents.models import TinyMoEConfig
 from pacerl.agents.rollout import RolloutConfig
+from pacerl.envs.chat_template import CHATML_TOOLS_TEMPLATE
 from pacerl.envs.registry import env_class
+from pacerl.sandbox.limits import Limits
 from pacerl.settings import ConfigError as ConfigError
-from pacerl.settings import apply_overrides, config_to_dict, read_settings, settings_into
+from pacerl.settings import apply_overrides, config_to_dict, merge_settings, read_settings, settings_into
 from pacerl.trainer.learner import LearnerConfig
 from pacerl.trainer.loop import LoopConfig
 from pacerl.trainer.pool import FilterConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,61 @@ class ModelSpec:
     builds the tiny MoE from `tiny`."""
     tiny: TinyMoEConfig = field(default_factory=TinyMoEConfig)
     """Shape of the tiny MoE built when `path` is None."""
+
+
+_SANDBOX_OPTIONS = {
+    "local": ("pacerl.sandbox.local", "LocalOptions"),
+    "docker": ("pacerl.sandbox.docker_backend", "DockerOptions"),
+    "remote": ("pacerl.sandbox.remote", "RemoteOptions"),
+}
+"""Each sandbox backend's options dataclass, imported only to check a config's options (the docker
+client stays unimported until a config names the docker backend)."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Where the env's `python` tool runs its code and under which limits (`pacerl.sandbox`); the
+    defaults are the tool's own (`pacerl.envs.tools.python.PYTHON_POLICY`)."""
+
+    backend: Literal["local", "docker", "remote"] = "local"
+    """local: a hardened process on this machine; docker: a container per interpreter (needs dockerd);
+    remote: a SandboxFusion-compatible server (`options.url`, e.g. `pacerl serve sandbox`)."""
+    timeout_s: float = 10.0
+    """Wall-clock seconds of one tool call; past it the call ends as a timeout the model reads."""
+    cpu_s: float | None = None
+    """CPU seconds of one call; None: the timeout's."""
+    memory_mb: int = 512
+    """Memory of the interpreter and its children, in MiB."""
+    max_processes: int = 64
+    """Processes and threads the code may have at once."""
+    output_cap_bytes: int = 4096
+    """Bytes of stdout and of stderr the model reads back; the rest is cut with a marker."""
+    options: dict[str, str | int | float | bool] = field(default_factory=dict)
+    """The backend's own options, e.g. `image` for docker or `url` for remote (`pacerl.sandbox`'s
+    `DockerOptions`, `RemoteOptions`), checked against the backend's at load."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in _SANDBOX_OPTIONS:
+            raise ValueError(f"env.sandbox.backend must be local, docker or remote, got {self.backend!r}")
+        self.limits()  # the sandbox's own range checks, at load
+        module, name = _SANDBOX_OPTIONS[self.backend]
+        known = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+        unknown = sorted(set(self.options) - known)
+        if unknown:
+            raise ValueError(
+                f"env.sandbox.options: the {self.backend} backend has no option {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(known))})"
+            )
+
+    def limits(self) -> Limits:
+        """The `Limits` of each call."""
+        return Limits(
+            timeout_s=self.timeout_s,
+            cpu_s=self.cpu_s,
+            memory_mb=self.memory_mb,
+            max_processes=self.max_processes,
+            output_cap_bytes=self.output_cap_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -60,6 +122,8 @@ class EnvSpec:
     retriever_url: str | None = None
     """The search tool's Search-R1 `/retrieve` server; None: an env that needs one starts its own for
     the run (the Search env serves BM25 over the shipped corpus in process)."""
+    sandbox: SandboxSpec = field(default_factory=SandboxSpec)
+    """The sandbox of the env's `python` tool: backend and limits."""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.max_tool_calls < 0:
@@ -373,10 +437,137 @@ class RunConfig:
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """The config in `path` (TOML or JSON; None: the defaults) with `key=value` overrides applied
-    (dotted keys, values parsed as JSON when they parse, else kept as strings). ConfigError on any
-    problem, naming the key."""
-    data = read_settings(Path(path)) if path is not None else {}
-    return config_from_dict(apply_overrides(data, overrides))
+    (dotted keys, values parsed as JSON when they parse, else kept as strings), and for a real
+    checkpoint the budgets and prompt it left unset taken from the model (`model_defaults`); a
+    setting that looks wrong for the model is logged as a warning (`model_warnings`). ConfigError on
+    any problem, naming the key."""
+    given = apply_overrides(read_settings(Path(path)) if path is not None else {}, overrides)
+    config = config_from_dict(merge_settings(model_defaults(given), given))
+    for warning in model_warnings(config):
+        log.warning("%s", warning)
+    return config
+
+
+REAL_MODEL_NEW_TOKENS = 1024
+"""Tokens per assistant turn a real checkpoint gets unless the config says otherwise: room for some
+reasoning, one tool call and, on the last turn, the answer (ReTool's and Search-R1's turns fit)."""
+REAL_MODEL_TOTAL_TOKENS = 8192
+"""The most tokens a whole episode gets by default (the model's context when smaller): several turns of
+`REAL_MODEL_NEW_TOKENS` with their tool responses, while a group of such sequences still fits one
+learner micro-batch and the engine's KV cache on one GPU; longer runs set `max_total_tokens`."""
+MIN_TURN_TOKENS = 64
+"""Fewer new tokens per turn than this cannot hold one tool call and an answer."""
+SHIPPED_CONTEXT = {"smollm2-135m": 8192}
+"""Context length of each shipped model's short name (`pacerl.agents.gguf.SHIPPED`), known without
+converting its GGUF."""
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the defaults of a real checkpoint follow, read from its files without loading weights."""
+
+    path: str
+    """The model as the config names it (`model.path`)."""
+    context: int | None
+    """Tokens of context it was trained on (its config.json), None where that cannot be read (a hub
+    name, a model not on this machine, a .gguf file)."""
+
+
+def model_facts(path: str | None) -> ModelFacts | None:
+    """The facts of `model.path`; None for the tiny model: `path` None, or a checkpoint whose tokenizer
+    carries pacerl's own chat template (`CHATML_TOOLS_TEMPLATE`: a tiny model pacerl trained and saved,
+    which learned its tools by SFT and keeps the tiny defaults)."""
+    if path is None:
+        return None
+    if path in SHIPPED_CONTEXT:
+        return ModelFacts(path, SHIPPED_CONTEXT[path])
+    directory = Path(path).expanduser()
+    if not (directory / "config.json").is_file():
+        return ModelFacts(path, None)
+    if _saved_template(directory) == CHATML_TOOLS_TEMPLATE.strip():
+        return None
+    try:
+        hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return ModelFacts(path, None)  # loading the model will say what is wrong with it
+    sections = [hf, hf.get("text_config") or {}] if isinstance(hf, dict) else []
+    lengths = [s[key] for s in sections for key in _CONTEXT_KEYS if isinstance(s.get(key), int)]
+    return ModelFacts(path, lengths[0] if lengths else None)
+
+
+def _saved_template(directory: Path) -> str | None:
+    """The chat template a checkpoint's tokenizer files hold (stripped), if any."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8").strip()
+    try:
+        settings = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    template = settings.get("chat_template") if isinstance(settings, dict) else None
+    return template.strip() if isinstance(template, str) else None
+
+
+def model_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a real checkpoint (`given`'s `model.path`, `model_facts`) gets where the user set
+    none: the tiny model's 40 new tokens and 256 in all would cut a real model off before its first tool
+    call, so each turn gets `REAL_MODEL_NEW_TOKENS` (at most half the episode) and the episode its
+    context up to `REAL_MODEL_TOTAL_TOKENS`, in training and evaluation alike; the env's tool schemas and
+    its own system prompt go into the prompt (the tiny model learns both by SFT instead). {} for the tiny
+    model: its defaults stay as they are."""
+    model = given.get("model")
+    path = model.get("path") if isinstance(model, Mapping) else None
+    facts = model_facts(path) if isinstance(path, str) else None
+    if facts is None:
+        return {}
+    total = min(facts.context or REAL_MODEL_TOTAL_TOKENS, REAL_MODEL_TOTAL_TOKENS)
+    new = min(REAL_MODEL_NEW_TOKENS, total // 2)
+    budgets = {"max_new_tokens": new, "max_total_tokens": total, "tool_schemas_in_prompt": True}
+    rollout = {"max_total_tokens": total, "tool_schemas_in_prompt": True, "sampling": {"max_new_tokens": new}}
+    return {"env": {"system_prompt": None}, "rollout": rollout, "evaluation": {"settings": budgets}}
+
+
+def model_warnings(config: RunConfig) -> list[str]:
+    """One line for each setting of `config` that looks wrong for its model (none for the tiny model):
+    an episode budget above the model's context, a turn too short for a tool call and an answer, an env
+    whose tools the model is never shown or may not call."""
+    facts = model_facts(config.model.path)
+    if facts is None:
+        return []
+    tools = env_class(config.env.id).tool_names
+    settings = config.evaluation.settings
+    budgets = [
+        ("rollout", config.rollout.max_total_tokens, config.rollout.sampling.max_new_tokens),
+        ("evaluation.settings", settings.max_total_tokens, settings.max_new_tokens),
+    ]
+    schemas = [
+        ("rollout", config.rollout.tool_schemas_in_prompt),
+        ("evaluation.settings", settings.tool_schemas_in_prompt),
+    ]
+    found = []
+    for section, total, new in budgets:
+        new_key = "sampling.max_new_tokens" if section == "rollout" else "max_new_tokens"
+        if facts.context is not None and total > facts.context:
+            found.append(
+                f"{section}.max_total_tokens={total} is above the {facts.context}-token context of "
+                f"{facts.path}: the model has not seen positions that far"
+            )
+        if tools and new < MIN_TURN_TOKENS:
+            found.append(
+                f"{section}.{new_key}={new} cannot hold one tool call plus an answer "
+                f"({MIN_TURN_TOKENS} tokens at least) for {facts.path} on {config.env.id}"
+            )
+    if tools and config.env.system_prompt == "":
+        for section, shown in schemas:
+            if not shown:
+                found.append(
+                    f'{section}.tool_schemas_in_prompt=false with env.system_prompt="": {facts.path} '
+                    f"is never told of {config.env.id}'s tools ({', '.join(tools)})"
+                )
+    if tools and config.env.max_tool_calls == 0:
+        found.append(f"env.max_tool_calls=0 turns off {config.env.id}'s tools ({', '.join(tools)})")
+    return found
 
 
 def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
@@ -390,4 +581,9 @@ def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
 
 def save_config(config: RunConfig, path: Path) -> None:
     """The resolved config as JSON (what `load_config` reads back to the same RunConfig)."""
-    path.write_text(json.dumps(config_to_dict(config), indent=2) + "\n", encoding="utf-8")
+    path.write_text(config_json(config), encoding="utf-8")
+
+
+def config_json(config: RunConfig) -> str:
+    """The resolved config as the JSON text a run saves (`save_config`) and `--print-config` prints."""
+    return json.dumps(config_to_dict(config), indent=2) + "\n"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -40,13 +41,22 @@ from pacerl.agents.evaluation.suites import SuiteResult, benchmark_eval_config, 
 from pacerl.agents.gguf import SHIPPED
 from pacerl.agents.models import load_model
 from pacerl.agents.tokenizer import with_chat_template
-from pacerl.assembly import env_factory, seed_everything
-from pacerl.config import ConfigError, RunConfig, config_from_dict
+from pacerl.assembly import env_factory, sandbox_settings, seed_everything
+from pacerl.config import (
+    ConfigError,
+    RunConfig,
+    config_from_dict,
+    config_json,
+    model_defaults,
+    model_warnings,
+)
 from pacerl.display import EpisodeDisplay
 from pacerl.envs import Task, ToolEnv
 from pacerl.envs.registry import env_class
 from pacerl.settings import apply_overrides, config_to_dict, merge_settings, read_settings
 from pacerl.train import quiet_logging
+
+log = logging.getLogger(__name__)
 
 _FLAG_KEYS = {
     "model": ("model", "path"),
@@ -63,12 +73,17 @@ _FLAG_KEYS = {
 def eval_config(
     config_path: str | None = None, overrides: Sequence[str] = (), flags: Mapping[str, Any] | None = None
 ) -> RunConfig:
-    """The evaluation's config: `EvalConfig`'s defaults for `evaluation.settings`, then the file at
-    `config_path`, then `flags` (`main_eval`'s shorthands, None ones left out), then the `key=value`
-    `overrides`. ConfigError on any problem, naming the key."""
+    """The evaluation's config: `EvalConfig`'s defaults for `evaluation.settings`, a real checkpoint's
+    own (`model_defaults`), then the file at `config_path`, then `flags` (`main_eval`'s shorthands, None
+    ones left out), then the `key=value` `overrides`; what looks wrong for the model is logged
+    (`model_warnings`). ConfigError on any problem, naming the key."""
 
+    given = _given(config_path, overrides, flags)
     defaults = {"evaluation": {"settings": config_to_dict(EvalConfig())}}
-    return config_from_dict(merge_settings(defaults, _given(config_path, overrides, flags)))
+    config = config_from_dict(merge_settings(merge_settings(defaults, model_defaults(given)), given))
+    for warning in model_warnings(config):
+        log.warning("%s", warning)
+    return config
 
 
 def _given(
@@ -106,6 +121,7 @@ def main_eval(
     overrides: Sequence[str] = (),
     suite: str | None = None,
     suite_dir: str | None = None,
+    print_config: bool = False,
 ) -> int:
     """The body of `pacerl eval`: evaluate the model of the config (`model.path`, or the served model of
     `engine_backend=openai`) on its env's held-out tasks (`evaluation.tasks`, default the env's
@@ -116,7 +132,8 @@ def main_eval(
     `key=value`. `env.id`: any registered `ToolEnv` id, or `module:Name-v0` for a user's env. What the
     env's tools need is started for the evaluation (`ToolEnv.services`: the Search envs' BM25 retriever,
     in process, unless `env.retriever_url` names one). Bad input (no such directory, unknown env, task
-    set or suite, invalid option) raises a one-line ConfigError or OSError before any episode starts."""
+    set or suite, invalid option) raises a one-line ConfigError or OSError before any episode starts.
+    `print_config`: only print the resolved config (`config_json`), touching no model."""
 
     quiet_logging()
     flags = {
@@ -134,6 +151,9 @@ def main_eval(
         config = eval_config(config_path, overrides, flags)
     except ValueError as error:  # EvalConfig's own checks name their fields
         raise ConfigError(str(error)) from None
+    if print_config:
+        print(config_json(config), end="")
+        return 0
     served = config.engine_backend == "openai"
     if not served and config.model.path is None:
         raise ConfigError("--model: name a model directory (model.path), or evaluate a served model "
@@ -239,7 +259,8 @@ def _run_suite(
         service = {"retriever_url": config.env.retriever_url} if config.env.retriever_url else {}
         with cls.services(service) as started:
             options = replace(cls.default_config(), **user_env)
-            options = replace(options, settings={**options.settings, **service, **started})
+            tools = {**options.settings, **sandbox_settings(config), **service, **started}
+            options = replace(options, settings=tools)
             tasks = benchmark_tasks[benchmark.name]
 
             def make_env() -> ToolEnv:

@@ -33,7 +33,7 @@ from pacerl.assembly import (
     training_tasks,
     warm_start,
 )
-from pacerl.config import ConfigError, RunConfig, load_config, save_config
+from pacerl.config import ConfigError, RunConfig, config_json, load_config, save_config
 from pacerl.display import StepDisplay
 from pacerl.envs.registry import env_class
 from pacerl.lab.emulated import clock_config, train_emulated
@@ -242,8 +242,10 @@ def _prepare_run_dir(run_dir: Path, *, fresh: bool) -> None:
         )
 
 
-def main_train(config_path: str | None, overrides: list[str], resume: str | None) -> int:
-    """The body of `pacerl train`."""
+def main_train(
+    config_path: str | None, overrides: list[str], resume: str | None, *, print_config: bool = False
+) -> int:
+    """The body of `pacerl train`; with `print_config`, only print the resolved config (`config_json`)."""
     quiet_logging()
     if resume is not None:
         saved = Path(resume) / CONFIG_FILE
@@ -252,6 +254,9 @@ def main_train(config_path: str | None, overrides: list[str], resume: str | None
         config = load_config(saved, [*overrides, f"run_dir={resume}"])
     else:
         config = load_config(config_path, overrides)
+    if print_config:
+        print(config_json(config), end="")
+        return 0
     try:
         summary = asyncio.run(train(config, resume=resume is not None))
         if not summary:  # a learner rank > 0 of a torchrun launch: rank 0 reports

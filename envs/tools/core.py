@@ -54,6 +54,11 @@ class SandboxPolicy:
         return self.backend, tuple(sorted((k, repr(v)) for k, v in self.options.items()))
 
 
+SANDBOX_POLICIES = "sandbox_policies"
+"""The env setting (`ToolEnvConfig.settings`) that replaces tools' declared sandbox policies, by tool
+name: `{"python": SandboxPolicy(backend="docker", ...)}` (a run config's `env.sandbox`)."""
+
+
 _SANDBOXES: dict[tuple[str, tuple[tuple[str, str], ...]], Sandbox] = {}
 _SANDBOXES_LOCK = threading.Lock()
 
@@ -169,6 +174,16 @@ class Tool:
             "function": {"name": self.name, "description": self.description, "parameters": parameters},
         }
 
+    def policy_in(self, settings: Mapping[str, Any]) -> SandboxPolicy | None:
+        """The sandbox policy this tool runs under with the env's `settings`: the one they name for it
+        (`SANDBOX_POLICIES`), else its declared one; a tool that declared none uses no sandbox."""
+        if self.sandbox is None:
+            return None
+        chosen = settings.get(SANDBOX_POLICIES, {}).get(self.name, self.sandbox)
+        if not isinstance(chosen, SandboxPolicy):
+            raise TypeError(f"settings[{SANDBOX_POLICIES!r}][{self.name!r}] is a {type(chosen).__name__}")
+        return chosen
+
     async def __call__(self, arguments: Mapping[str, Any], context: ToolContext) -> str:
         """Validate `arguments`, run the tool, and return its text; ToolError for anything expected."""
         try:
@@ -177,7 +192,7 @@ class Tool:
             raise ToolError(f"invalid arguments for {self.name}: {_explain(error)}") from None
         kwargs = {name: getattr(validated, name) for name in type(validated).model_fields}
         if self.context_parameter is not None:
-            kwargs[self.context_parameter] = context.bound(self.sandbox)
+            kwargs[self.context_parameter] = context.bound(self.policy_in(context.settings))
         loop = asyncio.get_running_loop()
         gate = self._gates.setdefault(loop, asyncio.Semaphore(self.max_concurrency))
         async with gate:
