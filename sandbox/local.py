@@ -827,8 +827,12 @@ class LocalBackend(WarmPool[_PoolKey, _Box]):
         if self._closed and not self._live and not self._starts:
             return
         self._closed = True
-        for task in list(self._filling.values()):
+        fills = list(self._filling.values())
+        for task in fills:
             task.cancel()
+        # A cancelled fill discards the sandbox it was starting: that must happen now, while the
+        # closing below still waits for discarded sandboxes (and the watchdog still listens).
+        await asyncio.gather(*fills, return_exceptions=True)
         for reset in list(self._resets):
             reset.cancel()
         await asyncio.gather(*self._resets, return_exceptions=True)
