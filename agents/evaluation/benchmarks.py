@@ -52,6 +52,9 @@ MIRROR_ENV = "PACERL_BENCHMARK_DIR"
 `.json`, or a directory `<dir>/<benchmark>/` of such files or a `save_to_disk` copy)."""
 
 _SUFFIXES = (".parquet", ".jsonl", ".json")
+SEARCH_R1_MERGED = "test.parquet"
+"""The name of Search-R1's merged test file (`qa_search_test_merge.py`), which a mirror may hold for all
+seven QA benchmarks at once."""
 
 
 @dataclass(frozen=True)
@@ -258,13 +261,43 @@ def load_benchmark(
     return tasks
 
 
-def _mirror_entry(bench: Benchmark, mirror: Path) -> Path:
+def _mirror_entry(bench: Benchmark, mirror: Path) -> Path | list[Path]:
+    """What a mirror holds of `bench`: `<mirror>/<name>` (a file, a `save_to_disk` copy, or a hub
+    snapshot whose config directories, `gsm8k/main/test-*.parquet`, are narrowed to the benchmark's
+    own configs), else, for a Search-R1 benchmark, Search-R1's merged `<mirror>/test.parquet` (its
+    `data_source` column picks the benchmark's rows)."""
     candidates = [mirror / bench.name, *(mirror / f"{bench.name}{suffix}" for suffix in _SUFFIXES)]
     for candidate in candidates:
+        if candidate.is_dir() and not (candidate / "dataset_info.json").exists():
+            return _config_dirs(bench, candidate)
         if candidate.exists():
             return candidate
+    merged = mirror / SEARCH_R1_MERGED
+    if bench.env_id == "pacerl/SearchR1-v0" and merged.is_file() and _has_column(merged, "data_source"):
+        return merged
     looked = ", ".join(str(c) for c in candidates)
     raise ValueError(f"benchmark {bench.name!r}: the mirror {mirror} holds none of {looked}")
+
+
+def _config_dirs(bench: Benchmark, directory: Path) -> Path | list[Path]:
+    """A hub snapshot's directories of the benchmark's named configs (`main` of gsm8k, not `socratic`),
+    in the benchmark's order; the directory itself when it has no directory of any named config (the
+    files of one config, or of a dataset with only a default one). A snapshot holding some of the
+    named configs but not all is an error: a benchmark silently missing a config would mislead."""
+    named = [config for config in bench.configs if config is not None]
+    present = [directory / config for config in named if (directory / config).is_dir()]
+    if not present:
+        return directory
+    if len(present) != len(named):
+        missing = [config for config in named if not (directory / config).is_dir()]
+        raise ValueError(f"benchmark {bench.name!r}: the snapshot {directory} lacks the configs {missing}")
+    return present
+
+
+def _has_column(path: Path, column: str) -> bool:
+    import pyarrow.parquet as pq
+
+    return column in pq.read_schema(path).names
 
 
 def _local_rows(bench: Benchmark, data_files: str | Path | Sequence[str | Path]) -> list[dict[str, Any]]:

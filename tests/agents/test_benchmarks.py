@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from pacerl.agents.engine.protocol import FinishReason, Generation, SamplingParams
@@ -296,3 +298,40 @@ def test_majority_vote_against_hand_counted_votes() -> None:
         (["x"], [True]),
     ]
     assert sum(majority_correct(a, c) for a, c in votes) / 3 == pytest.approx(2 / 3)
+
+
+def test_a_hub_snapshot_mirror_loads_the_benchmarks_configs_only(tmp_path: Path) -> None:
+    """`<mirror>/gsm8k/{main,socratic}/test-*.parquet`, as `huggingface-cli download` lays out
+    openai/gsm8k: gsm8k's one config, `main`, is read (3 tasks, not 6 from both configs); aime25's two
+    configs are read in order; a snapshot lacking one of a benchmark's configs is refused."""
+    for config in ("main", "socratic"):
+        (tmp_path / "gsm8k" / config).mkdir(parents=True)
+        shutil.copy(FIXTURES / "gsm8k.parquet", tmp_path / "gsm8k" / config / "test-00000-of-00001.parquet")
+    socratic = pd.read_parquet(tmp_path / "gsm8k" / "socratic" / "test-00000-of-00001.parquet")
+    socratic["answer"] = "How many? ** 1\n#### 1"
+    socratic.to_parquet(tmp_path / "gsm8k" / "socratic" / "test-00000-of-00001.parquet")
+    tasks = load_benchmark("gsm8k", mirror=tmp_path)
+    assert [t.answers for t in tasks] == [t.answers for t in load_benchmark("gsm8k", mirror=FIXTURES)]
+    assert [t.answer for t in tasks] == ["7", "6000", "-2"]  # `main`'s rows through gsm8k's mapping
+    rows = pd.read_parquet(FIXTURES / "aime25.parquet")
+    for config, part in (("AIME2025-I", rows[:2]), ("AIME2025-II", rows[2:])):
+        (tmp_path / "aime25" / config).mkdir(parents=True)
+        part.to_parquet(tmp_path / "aime25" / config / "test-00000-of-00001.parquet")
+    assert [t.question for t in load_benchmark("aime25", mirror=tmp_path)] == list(rows["question"])
+    shutil.rmtree(tmp_path / "aime25" / "AIME2025-II")
+    with pytest.raises(ValueError, match=r"lacks the configs \['AIME2025-II'\]"):
+        load_benchmark("aime25", mirror=tmp_path)
+
+
+def test_search_r1s_merged_test_parquet_serves_every_qa_benchmark(tmp_path: Path) -> None:
+    """A mirror holding only Search-R1's merged `test.parquet`: each QA benchmark takes its own rows
+    (`data_source`), posed with their own prompt; a math benchmark is not looked for in it."""
+    shutil.copy(FIXTURES / "search_r1_test.parquet", tmp_path / "test.parquet")
+    nq = load_benchmark("nq", mirror=tmp_path)
+    (hotpot,) = load_benchmark("hotpotqa", mirror=tmp_path)
+    assert [t.answers for t in nq] == [("Orlo",), ("1128",)]
+    assert hotpot.answers == ("Sanim", "the explorer Sanim") and "prompt" in hotpot.metadata
+    with pytest.raises(ValueError, match="holds no rows"):
+        load_benchmark("popqa", mirror=tmp_path)
+    with pytest.raises(ValueError, match=r"the mirror .* holds none of"):
+        load_benchmark("gsm8k", mirror=tmp_path)
