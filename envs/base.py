@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import random
 from collections.abc import Mapping, Sequence
@@ -94,7 +95,11 @@ class ToolEnvConfig:
 
 
 class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
-    """Base class of pacerl's tool environments (see each subclass's docstring for the details)."""
+    """Base class of pacerl's tool environments (see each subclass's docstring for the details).
+
+    The constructor takes the env's settings as keyword arguments too, each a field of its config
+    (`resolve_config`): `gymnasium.make("pacerl/CodeMath-v0", max_turns=1)`. A subclass with an
+    `__init__` of its own takes `**config_fields` and hands them on (or to `resolve_config`)."""
 
     metadata: dict[str, Any] = {"render_modes": ["ansi"], "render_fps": 1}  # noqa: RUF012 (Gymnasium's name)
     tool_names: tuple[str, ...] = ()
@@ -119,13 +124,14 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
         tasks: Sequence[Task],
         config: ToolEnvConfig | None = None,
         render_mode: str | None = None,
+        **config_fields: Any,
     ) -> None:
         if not tasks:
             raise ValueError("an env needs at least one task")
         if render_mode not in (None, "ansi"):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.tasks = list(tasks)
-        self.config = config or ToolEnvConfig()
+        self.config = self.resolve_config(config, **config_fields)
         self.render_mode = render_mode
         self.tools: dict[str, Tool] = {name: get_tool(name) for name in self.tool_names}
         self.observation_space = ChatMessages()
@@ -143,6 +149,24 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
     def default_config(cls) -> ToolEnvConfig:
         """The config a run starts from for this env, before it sets the episode limits and prompt."""
         return ToolEnvConfig()
+
+    @classmethod
+    def resolve_config(cls, config: ToolEnvConfig | None = None, **fields: Any) -> ToolEnvConfig:
+        """The env's settings: `config` (default `default_config()`) with each keyword that names one
+        of its fields replacing that field, so `gymnasium.make(id, max_turns=1)` works; keywords win
+        over `config=` when both are given (a keyword replaces the whole field: `settings=` the whole
+        mapping). A keyword that is no field is a TypeError that lists the fields."""
+        base = config if config is not None else cls.default_config()
+        names = [spec.name for spec in dataclasses.fields(base)]
+        unknown = sorted(set(fields) - set(names))
+        if unknown:
+            raise TypeError(
+                f"{cls.__name__} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                f"its settings are the fields of {type(base).__name__}: {', '.join(names)}"
+            )
+        if isinstance(fields.get("tool_formats"), list):  # a list from a JSON or TOML config
+            fields["tool_formats"] = tuple(fields["tool_formats"])
+        return dataclasses.replace(base, **fields) if fields else base
 
     @classmethod
     def services(cls, settings: Mapping[str, Any]) -> contextlib.AbstractContextManager[Mapping[str, Any]]:

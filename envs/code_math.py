@@ -6,6 +6,7 @@ import json
 import random
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from pacerl.envs.base import ToolEnv, ToolEnvConfig
 from pacerl.envs.rewards import Reward, boxed_math_reward
@@ -46,7 +47,8 @@ class CodeMathEnv(ToolEnv):
     `codemath-forms-train`: arithmetic in 30 surface forms, `pacerl.envs.tasks.codemath_tasks`;
     `codemath-train`: "What is EXPR?" only); validation on `codemath-val` ("What is EXPR?"), and on the
     six forms held out of training, `codemath-heldout`, reported on its own;
-    `config`: a `ToolEnvConfig`; `render_mode`: None or "ansi".
+    `config`: a `ToolEnvConfig`, whose fields are also keyword arguments (`max_turns=1`);
+    `render_mode`: None or "ansi".
 
     ## Version History
     - v0: first version.
@@ -69,8 +71,10 @@ class CodeMathEnv(ToolEnv):
         tasks: str | Sequence[Task] = "codemath-forms-train",
         config: ToolEnvConfig | None = None,
         render_mode: str | None = None,
+        **config_fields: Any,
     ) -> None:
-        super().__init__(load_tasks(tasks) if isinstance(tasks, str) else tasks, config, render_mode)
+        tasks = load_tasks(tasks) if isinstance(tasks, str) else tasks
+        super().__init__(tasks, config, render_mode, **config_fields)
 
     def initial_messages(self, task: Task) -> list[Message]:
         return self.pose(SYSTEM_PROMPT, task.question)

@@ -60,7 +60,8 @@ class SearchEnv(ToolEnv):
     single-hop and two-hop questions about the generated world of `pacerl.envs.search_world`; its corpus is
     envs/data/search-corpus.jsonl, `pacerl serve retriever --corpus ...`);
     `config`: a `ToolEnvConfig` (default: Hermes calls only), whose `settings["retriever_url"]` is the
-    retriever's address; `render_mode`: None or "ansi"; `retriever_url`: sets that setting.
+    retriever's address, whose fields are also keyword arguments (`max_turns=2`); `render_mode`: None or
+    "ansi"; `retriever_url`: sets that setting.
 
     ## Version History
     - v0: first version.
@@ -95,8 +96,9 @@ class SearchEnv(ToolEnv):
         config: ToolEnvConfig | None = None,
         render_mode: str | None = None,
         retriever_url: str | None = None,
+        **config_fields: Any,
     ) -> None:
-        config = config or self.default_config()
+        config = self.resolve_config(config, **config_fields)
         if retriever_url is not None:
             config = replace(config, settings={**config.settings, "retriever_url": retriever_url})
         super().__init__(load_tasks(tasks) if isinstance(tasks, str) else tasks, config, render_mode)

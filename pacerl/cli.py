@@ -213,6 +213,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add the `eval` subcommand (handler `cmd_eval`) to `pacerl`'s subparsers; returns its parser."""
+    from pacerl.envs import ENV_IDS
+
     defaults = EvalConfig()
     parser = commands.add_parser(
         "eval",
@@ -227,8 +229,8 @@ def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument(
         "--env",
         metavar="ID",
-        help="a registered env id (pacerl/CodeMath-v0, pacerl/Math-v0, pacerl/Search-v0) or module:Name-v0 "
-        "for an env your module registers (env.id)",
+        help=f"a registered env id ({', '.join(ENV_IDS)}) or module:Name-v0 for an env your module "
+        "registers (env.id)",
     )
     parser.add_argument(
         "--n", type=int, metavar="K", help=f"episodes sampled per task (default {defaults.samples})"

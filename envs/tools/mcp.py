@@ -18,12 +18,23 @@ server's stdout until the answer to a pending request (or a request of the serve
 hands those lines back to the client. One handshake (`initialize`) per server; later calls adopt it.
 Request ids are renumbered per server, so no id is ever reused within the server's session.
 
+A server over HTTP. `mcp_tools(url="http://host:port/mcp")` reaches a server that runs as a service of
+its own (streamable HTTP, the protocol's current network transport) instead of starting one: it runs
+wherever it runs, outside the sandbox. Each episode that calls its tools gets an MCP session of its
+own (`initialize` at the first call, the server's `Mcp-Session-Id` on every later one), so a server
+that keeps state per session keeps it for one episode; the session is ended (an HTTP DELETE) when the
+episode's tool context is released. Each call opens a connection of its own, bounded by the call's
+wall-clock limit. The legacy HTTP+SSE transport is not offered: it ties a session to one open event
+stream, which no call here outlives.
+
 What the model sees. A tool's schema is the server's own (name, description, `inputSchema`); arguments
 that do not match it are refused before anything is sent. The text content of a result is the
 observation. A result flagged `isError`, an error answer, a server that hangs past the call's limits,
 dies, or answers more than the sandbox's output cap: each is a `ToolError` the model reads, never an
 exception that ends the episode; a server that hung or died is stopped and the next call starts it
-afresh (its state is gone, as the message says).
+afresh (its state is gone, as the message says). Over HTTP the same holds for a call past its limit,
+a server that cannot be reached, and one that forgot the episode's session (it restarted): the next
+call starts a new session.
 """
 
 from __future__ import annotations
@@ -34,6 +45,8 @@ import dataclasses
 import itertools
 import json
 import logging
+import threading
+import urllib.parse
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +58,7 @@ from pacerl.envs.tools.core import TOOLS, SandboxPolicy, Tool, ToolContext, Tool
 from pacerl.sandbox import ExecStatus, Limits, SandboxUsageError, Session
 
 if TYPE_CHECKING:
+    import httpx2
     from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
     from mcp.client.session import ClientSession
     from mcp.shared.message import SessionMessage
@@ -254,24 +268,10 @@ class McpServer:
 
     async def list_tools(self) -> list[ServerTool]:
         """Start the server in a sandbox of its own, list its tools (every page), and stop it."""
-        import mcp_types
-
         context = ToolContext()
         connection = self.connection(context)
-
-        async def listing(client: ClientSession) -> list[ServerTool]:
-            tools: list[ServerTool] = []
-            cursor: str | None = None
-            while True:
-                params = mcp_types.PaginatedRequestParams(cursor=cursor) if cursor else None
-                page = await client.list_tools(params=params)
-                tools += page.tools
-                cursor = page.next_cursor
-                if not cursor:
-                    return tools
-
         try:
-            tools = await connection.use(listing)
+            tools = await connection.use(_listing)
             if connection.initialized is not None:
                 info = connection.initialized.server_info
                 self.info = f"{info.name} {info.version}"
@@ -281,18 +281,212 @@ class McpServer:
 
     async def call(self, context: ToolContext, name: str, arguments: Mapping[str, Any]) -> CallToolResult:
         """Call the server's tool `name` in the episode's server; ToolError for anything expected."""
+        return await self.connection(context).use(_calling(name, arguments))
+
+
+async def _listing(client: ClientSession) -> list[ServerTool]:
+    """Every tool of the server (every page of its listing)."""
+    import mcp_types
+
+    tools: list[ServerTool] = []
+    cursor: str | None = None
+    while True:
+        params = mcp_types.PaginatedRequestParams(cursor=cursor) if cursor else None
+        page = await client.list_tools(params=params)
+        tools += page.tools
+        cursor = page.next_cursor
+        if not cursor:
+            return tools
+
+
+def _calling(name: str, arguments: Mapping[str, Any]) -> Callable[[ClientSession], Awaitable[CallToolResult]]:
+    """The work of one call of the server's tool `name`."""
+    import mcp_types
+
+    request = mcp_types.CallToolRequest(
+        params=mcp_types.CallToolRequestParams(name=name, arguments=dict(arguments))
+    )
+
+    async def call(client: ClientSession) -> CallToolResult:
+        # send_request, not call_tool: the observation is the result's text, and call_tool would
+        # list the tools again on every call to check structured output against its schema.
+        return await client.send_request(request, mcp_types.CallToolResult)
+
+    return call
+
+
+_CLIENT_INFO = ("pacerl", "0.1.0")
+"""The client's name and version, as it introduces itself to a server."""
+_SESSION_HEADER = "mcp-session-id"
+_VERSION_HEADER = "mcp-protocol-version"
+
+
+class McpHttpServer:
+    """One MCP server reached over streamable HTTP at `url`, and its sessions, one per episode."""
+
+    def __init__(
+        self, url: str, headers: Mapping[str, str], call_timeout_s: float, start_timeout_s: float
+    ) -> None:
+        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"url must be an http:// or https:// address, got {url!r}")
+        if not call_timeout_s > 0 or not start_timeout_s > 0:
+            raise ValueError("call_timeout_s and start_timeout_s must be > 0")
+        self.url = url
+        self.headers = dict(headers)
+        """Sent with every request (e.g. an `authorization` header)."""
+        self.call_timeout_s = call_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.info: str = ""
+        """The server's name and version, as it introduced itself."""
+        self._episodes: weakref.WeakKeyDictionary[ToolContext, _HttpSession] = weakref.WeakKeyDictionary()
+
+    def __repr__(self) -> str:
+        return f"McpHttpServer({self.url!r}, server={self.info or '?'})"
+
+    def session(self, context: ToolContext) -> _HttpSession:
+        """The episode's MCP session (ended when the episode's tool context is released)."""
+        session = self._episodes.get(context)
+        if session is None:
+            session = self._episodes[context] = _HttpSession(self)
+            weakref.finalize(context, session.end)
+        return session
+
+    async def list_tools(self) -> list[ServerTool]:
+        """List the server's tools (every page) in a session of their own, then end it."""
+        session = _HttpSession(self)
+        try:
+            tools = await session.use(_listing, self.start_timeout_s)
+            if session.initialized is not None:
+                info = session.initialized.server_info
+                self.info = f"{info.name} {info.version}"
+            return tools
+        finally:
+            session.end()
+
+    async def call(self, context: ToolContext, name: str, arguments: Mapping[str, Any]) -> CallToolResult:
+        """Call the server's tool `name` in the episode's session; ToolError for anything expected."""
+        return await self.session(context).use(_calling(name, arguments), self.call_timeout_s)
+
+
+class _HttpSession:
+    """One episode's MCP session with a server over HTTP: its id and handshake, set at the first call."""
+
+    def __init__(self, server: McpHttpServer) -> None:
+        self.server = server
+        self.id: str | None = None
+        """The server's `Mcp-Session-Id` (None: the next call starts a session)."""
+        self.initialized: InitializeResult | None = None
+        self._lock: asyncio.Lock | None = None
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
+
+    async def use(self, work: Callable[[ClientSession], Awaitable[T]], timeout_s: float) -> T:
+        """Run `work` with a client in this session (started first if need be), within `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock_loop is not loop:
+            self._lock, self._lock_loop = asyncio.Lock(), loop
+        async with self._lock:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await self._with_client(work, timeout_s)
+            except TimeoutError:
+                raise ToolError(
+                    f"the MCP server at {self.server.url} did not answer within {timeout_s:g} s"
+                ) from None
+
+    async def _with_client(self, work: Callable[[ClientSession], Awaitable[T]], timeout_s: float) -> T:
+        import httpx2
         import mcp_types
+        from mcp.client.session import ClientSession
+        from mcp.client.streamable_http import streamable_http_client
+        from mcp.shared.exceptions import MCPError
 
-        request = mcp_types.CallToolRequest(
-            params=mcp_types.CallToolRequestParams(name=name, arguments=dict(arguments))
+        url = self.server.url
+        headers = dict(self.server.headers)
+        if self.id is not None and self.initialized is not None:
+            headers |= {_SESSION_HEADER: self.id, _VERSION_HEADER: self.initialized.protocol_version}
+        sent_id = self.id
+        given: list[str] = []
+        lost = False
+
+        async def watch(response: httpx2.Response) -> None:
+            nonlocal lost
+            if sent_id is not None and response.status_code == 404:
+                lost = True  # the server no longer knows the session: it restarted, or ended it
+            elif sent_id is None and _SESSION_HEADER in response.headers:
+                given.append(response.headers[_SESSION_HEADER])
+
+        outcome: list[T] = []
+        error: ToolError | None = None
+        client_info = mcp_types.Implementation(name=_CLIENT_INFO[0], version=_CLIENT_INFO[1])
+        http = httpx2.AsyncClient(
+            headers=headers, timeout=httpx2.Timeout(timeout_s), event_hooks={"response": [watch]}
         )
+        try:
+            async with (
+                http,
+                streamable_http_client(url, http_client=http, terminate_on_close=False) as (read, write),
+                ClientSession(read, write, client_info=client_info) as client,
+            ):
+                # Failures are caught inside: the transport's task group would wrap them in a group.
+                try:
+                    if self.initialized is None:
+                        initialized = await client.initialize()
+                        self.id, self.initialized = (given[-1] if given else None), initialized
+                    else:
+                        client.adopt(self.initialized)
+                    outcome.append(await work(client))
+                except MCPError as failure:
+                    error = ToolError(f"the MCP server answered: {failure.message}")
+                except (pydantic.ValidationError, RuntimeError) as failure:
+                    message = str(failure).splitlines()[0]
+                    error = ToolError(f"the MCP server's answer is malformed: {message}")
+        except Exception as failure:
+            reason = _network_failure(failure)
+            if reason is None:
+                raise
+            self.id = self.initialized = None
+            raise ToolError(f"could not reach the MCP server at {url}: {reason}") from None
+        if lost:
+            self.id = self.initialized = None
+            error = ToolError(
+                f"the MCP server at {url} no longer knows this episode's session (it restarted or ended "
+                "it): its state for the episode is gone, and the next call starts a new session"
+            )
+        if error is not None:
+            raise error
+        return outcome[0]
 
-        async def call(client: ClientSession) -> CallToolResult:
-            # send_request, not call_tool: the observation is the result's text, and call_tool would
-            # list the tools again on every call to check structured output against its schema.
-            return await client.send_request(request, mcp_types.CallToolResult)
+    def end(self) -> None:
+        """End the session on the server (an HTTP DELETE, sent on a thread of its own so that no
+        caller waits on the server); idempotent."""
+        session_id, self.id, self.initialized = self.id, None, None
+        if session_id is None:
+            return
+        headers = {**self.server.headers, _SESSION_HEADER: session_id}
+        url, timeout_s = self.server.url, self.server.call_timeout_s
+        threading.Thread(target=_delete_session, args=(url, headers, timeout_s), daemon=True).start()
 
-        return await self.connection(context).use(call)
+
+def _delete_session(url: str, headers: Mapping[str, str], timeout_s: float) -> None:
+    import httpx2
+
+    try:
+        httpx2.delete(url, headers=dict(headers), timeout=timeout_s)
+    except httpx2.HTTPError as error:  # the server is gone: so is the session
+        log.debug("ending the MCP session at %s failed: %s", url, error)
+
+
+def _network_failure(failure: BaseException) -> str | None:
+    """What went wrong, if `failure` (or every exception of a group) is the network's, else None."""
+    import httpx2
+
+    if isinstance(failure, BaseExceptionGroup):
+        reasons = [_network_failure(inner) for inner in failure.exceptions]
+        return None if None in reasons else "; ".join(dict.fromkeys(r for r in reasons if r))
+    if isinstance(failure, httpx2.HTTPError | OSError):
+        return str(failure) or type(failure).__name__
+    return None
 
 
 class _Connection:
@@ -495,7 +689,7 @@ class McpTool(Tool):
     server in its sandbox session. The server's JSON Schema (`input_schema`) is the contract: the
     inherited `arguments` model is an empty placeholder."""
 
-    server: McpServer = field(compare=False)
+    server: McpServer | McpHttpServer = field(compare=False)
     remote_name: str
     """The tool's name on the server (the pacerl name may carry a prefix)."""
     input_schema: Mapping[str, Any]
@@ -558,41 +752,65 @@ def _render(result: CallToolResult) -> str:
 
 
 def mcp_tools(
-    command: Sequence[str],
+    command: Sequence[str] | None = None,
     *,
-    sandbox: SandboxPolicy = MCP_POLICY,
+    url: str | None = None,
+    sandbox: SandboxPolicy | None = None,
     prefix: str = "",
     env: Mapping[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
+    call_timeout_s: float = 30.0,
     start_timeout_s: float = 60.0,
     max_concurrency: int = 64,
     register: bool = True,
 ) -> list[McpTool]:
-    """The tools of the MCP server that `command` starts (stdio), as pacerl tools run in the sandbox.
+    """The tools of an MCP server as pacerl tools: the server that `command` starts (stdio, in the
+    sandbox), or the one that serves streamable HTTP at `url` (give one of the two).
 
-    The server is started once here, in a sandbox under `sandbox`, to list its tools; then once per
-    episode that calls them, at the first call. Each tool is registered under `prefix` + its name
-    (unless `register=False`), so an env offers it by that name.
+    A `command`'s server is started once here, in a sandbox under `sandbox`, to list its tools; then
+    once per episode that calls them, at the first call. A `url`'s server is asked for its tools here,
+    in a session of their own; then each episode that calls them opens a session of its own. Each tool
+    is registered under `prefix` + its name (unless `register=False`), so an env offers it by that name.
 
     Args:
         command: The server's command line inside the sandbox, e.g. `["python3", "-m", "my_server"]`.
             What it needs (its interpreter, its packages) must be visible there: the local backend's
             `ro_binds` option binds host paths in.
-        sandbox: Backend, limits and options of the server's sandbox. `limits.timeout_s` bounds each
-            message exchange with the server; memory, processes and CPU time bound the whole sandbox.
+        url: The streamable HTTP endpoint of a running server, e.g. `"http://127.0.0.1:8000/mcp"`.
+        sandbox: (command) Backend, limits and options of the server's sandbox (default `MCP_POLICY`).
+            `limits.timeout_s` bounds each message exchange with the server; memory, processes and CPU
+            time bound the whole sandbox.
         prefix: Prepended to each tool's name (keeps two servers' `search` tools apart).
-        env: Environment variables of the server, on top of the sandbox's own.
+        env: (command) Environment variables of the server, on top of the sandbox's own.
+        headers: (url) HTTP headers sent with every request, e.g. `{"authorization": "Bearer ..."}`.
+        call_timeout_s: (url) The wall-clock limit of one call (an episode's first call includes its
+            session's handshake).
         start_timeout_s: The wall-clock limit of the server's start (its answer to `initialize`), when
-            longer than `limits.timeout_s`.
+            longer than `limits.timeout_s`; for a `url`, the limit of the listing here.
         max_concurrency: Calls of each tool running at once across episodes (one episode's calls to
             its server run one at a time).
         register: Register the tools by name (a name already taken by another tool is an error).
     """
-    server = McpServer(command, sandbox, env or {}, start_timeout_s)
+    server: McpServer | McpHttpServer
+    if url is not None and command is None:
+        if sandbox is not None or env is not None:
+            raise ValueError(
+                "sandbox and env are for a server started by command; a url's server runs already"
+            )
+        server = McpHttpServer(url, headers or {}, call_timeout_s, start_timeout_s)
+        where = url
+    elif command is not None and url is None:
+        if headers is not None:
+            raise ValueError("headers are for a server at a url; a command's server speaks stdio")
+        server = McpServer(command, sandbox or MCP_POLICY, env or {}, start_timeout_s)
+        where = str(list(command))
+    else:
+        raise ValueError("give an MCP server's command (stdio) or its url (streamable HTTP), not both")
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as worker:  # callable from async code too
             listed = worker.submit(asyncio.run, server.list_tools()).result()
     except ToolError as error:
-        raise RuntimeError(f"could not list the tools of the MCP server {list(command)}: {error}") from None
+        raise RuntimeError(f"could not list the tools of the MCP server {where}: {error}") from None
     tools = [_make_tool(server, remote, prefix, max_concurrency) for remote in listed]
     if register:
         for made in tools:
@@ -604,7 +822,9 @@ def mcp_tools(
     return tools
 
 
-def _make_tool(server: McpServer, remote: ServerTool, prefix: str, max_concurrency: int) -> McpTool:
+def _make_tool(
+    server: McpServer | McpHttpServer, remote: ServerTool, prefix: str, max_concurrency: int
+) -> McpTool:
     import jsonschema
 
     schema = dict(remote.input_schema)
@@ -623,7 +843,7 @@ def _make_tool(server: McpServer, remote: ServerTool, prefix: str, max_concurren
         function=server.call,
         arguments=pydantic.create_model(f"{prefix}{remote.name}_arguments"),
         context_parameter=None,
-        sandbox=server.policy,
+        sandbox=server.policy if isinstance(server, McpServer) else None,
         max_concurrency=max_concurrency,
         server=server,
         remote_name=remote.name,
@@ -633,7 +853,15 @@ def _make_tool(server: McpServer, remote: ServerTool, prefix: str, max_concurren
 
 
 def _same_server(a: McpTool, b: McpTool) -> bool:
-    """Two listings of one server (the same command, env and policy): re-registering replaces."""
+    """Two listings of one server (the same command, env and policy, or the same url and headers):
+    re-registering replaces."""
+    if isinstance(a.server, McpHttpServer) or isinstance(b.server, McpHttpServer):
+        return (
+            isinstance(a.server, McpHttpServer)
+            and isinstance(b.server, McpHttpServer)
+            and (a.server.url, a.server.headers) == (b.server.url, b.server.headers)
+            and a.remote_name == b.remote_name
+        )
     return (
         a.server.command == b.server.command
         and a.server.env == b.server.env
