@@ -259,7 +259,8 @@ def _run_suite(
         service = {"retriever_url": config.env.retriever_url} if config.env.retriever_url else {}
         with cls.services(service) as started:
             options = replace(cls.default_config(), **user_env)
-            tools = {**options.settings, **sandbox_settings(config), **service, **started}
+            posed = {**options.settings, **benchmark.env_settings}  # the benchmark's prompt form
+            tools = {**posed, **sandbox_settings(config), **service, **started}
             options = replace(options, settings=tools)
             tasks = benchmark_tasks[benchmark.name]
 

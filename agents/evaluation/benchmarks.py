@@ -77,6 +77,9 @@ class Benchmark:
     """The env that poses and scores it (any env can be asked instead)."""
     eval_settings: Mapping[str, Any] = field(default_factory=dict)
     """`EvalConfig` fields as papers report this benchmark (samples, temperature, ...)."""
+    env_settings: Mapping[str, Any] = field(default_factory=dict)
+    """Settings of its env (`ToolEnvConfig.settings`) that pose it as papers do (the math sets:
+    `{"prompt": "paper"}`, Math-v0's `PAPER_INSTRUCTION` after the problem)."""
 
 
 def _rest(row: Mapping[str, Any], *used: str) -> dict[str, Any]:
@@ -159,6 +162,7 @@ def qa_task(name: str) -> Callable[[Mapping[str, Any], int], Task]:
 
 
 _SAMPLED_MATH = {"temperature": 0.6}
+_PAPER_MATH_PROMPT = {"prompt": "paper"}
 _SEARCH_R1_EVAL = {
     "samples": 1,
     "temperature": 0.0,
@@ -180,19 +184,19 @@ _QA_SPLITS = {
 BENCHMARKS: dict[str, Benchmark] = {
     "aime24": Benchmark(
         "aime24", "AIME24", "HuggingFaceH4/aime_2024", (None,), "train", aime24_task, "pacerl/Math-v0",
-        {"samples": 32, **_SAMPLED_MATH},
+        {"samples": 32, **_SAMPLED_MATH}, _PAPER_MATH_PROMPT,
     ),
     "aime25": Benchmark(
         "aime25", "AIME25", "opencompass/AIME2025", ("AIME2025-I", "AIME2025-II"), "test", aime25_task,
-        "pacerl/Math-v0", {"samples": 32, **_SAMPLED_MATH},
+        "pacerl/Math-v0", {"samples": 32, **_SAMPLED_MATH}, _PAPER_MATH_PROMPT,
     ),
     "math500": Benchmark(
         "math500", "MATH-500", "HuggingFaceH4/MATH-500", (None,), "test", math500_task, "pacerl/Math-v0",
-        {"samples": 4, **_SAMPLED_MATH},
+        {"samples": 4, **_SAMPLED_MATH}, _PAPER_MATH_PROMPT,
     ),
     "gsm8k": Benchmark(
         "gsm8k", "GSM8K", "openai/gsm8k", ("main",), "test", gsm8k_task, "pacerl/Math-v0",
-        {"samples": 1, "temperature": 0.0},
+        {"samples": 1, "temperature": 0.0}, _PAPER_MATH_PROMPT,
     ),
     **{
         name: Benchmark(

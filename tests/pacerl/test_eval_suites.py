@@ -21,10 +21,13 @@ from pacerl.agents.evaluation.served import ServedEpisode
 from pacerl.agents.models import build_tiny_moe, load_model, save_model
 from pacerl.agents.tokenizer import tiny_tokenizer
 from pacerl.config import ConfigError
+from pacerl.envs.math import SYSTEM_PROMPT as MATH_SYSTEM_PROMPT
+from pacerl.envs.math import MathEnv
 from pacerl.envs.search import SEARCH_R1_STOP, SearchR1Env, search_r1_prompt, search_r1_question
 from pacerl.evaluate import main_eval
 from pacerl.openai_app import create_app
 from tests.helpers import ThreadServer
+from tests.pacerl.helpers import TextEngine
 from tests.scripted import ScriptedEngineBase
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "suites"
@@ -181,3 +184,28 @@ async def test_search_r1_served_scores_as_local() -> None:
         f"</information>\n\n<think>Found it.</think>\n<answer> {tasks[0].answer} </answer>"
     )
     assert "made up" not in assistant["content"] and "<tool_response>" not in assistant["content"]
+
+
+def test_the_math_suites_pose_problems_as_papers_do(tmp_path: Path) -> None:
+    """`--suite gsm8k`: no system prompt, the problem then DeepSeek-R1's and Qwen's directive
+    ("Please reason step by step, and put your final answer within \\boxed{}.") in the user turn;
+    Math-v0 outside a suite keeps its own system prompt."""
+    tokenizer = tiny_tokenizer()
+    engine = TextEngine(tokenizer, lambda prompt: "\\boxed{7}")
+    out = tmp_path / "gsm8k.json"
+    with ThreadServer(create_app(engine, tokenizer, model_name="text")) as server:
+        served = ["engine_backend=openai", f"openai.base_url={server.url}/v1", *ROOMY]
+        assert main_eval(out=str(out), overrides=served, suite="gsm8k", suite_dir=str(FIXTURES)) == 0
+    (gsm8k,) = json.loads(out.read_text())["benchmarks"]
+    assert gsm8k["avg_at_k"] == pytest.approx(1 / 3)  # the first problem's answer is 7
+    question = load_benchmark("gsm8k", mirror=FIXTURES)[0].question
+    user = f"{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+    posed = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+    )
+    assert posed in engine.prompts and len(engine.prompts) == 3  # the tasks run concurrently
+    assert not any(MATH_SYSTEM_PROMPT in prompt for prompt in engine.prompts)
+    env = MathEnv(tasks=load_benchmark("gsm8k", mirror=FIXTURES))
+    (system, _), _ = env.reset()
+    assert system == {"role": "system", "content": MATH_SYSTEM_PROMPT}
+    env.close()
