@@ -3,7 +3,11 @@
 Routes: `GET /v1/models`, `POST /v1/chat/completions` (non-streaming; `stream: true` is refused with
 HTTP 400) and `GET /health`. A request's messages and tools are rendered with the tokenizer's chat
 template; the engine generates with the request's sampling (`max_completion_tokens` or `max_tokens`,
-`temperature`, `top_p`, `stop`, `n`, `seed`); `<tool_call>{json}</tool_call>` blocks in the generated
+`temperature`, `top_p`, `top_k`, `stop`, `n`, `seed`), the matched stop named in the choice's
+`stop_reason` (vLLM's field) and the tokenizer's special tokens kept out of `content`; vLLM's
+`add_generation_prompt` and `continue_final_message` continue a final assistant message; a field the
+server would otherwise ignore (`ChatRequest.unsupported`: `response_format` other than text,
+penalties, `logit_bias`, ...) is a 400 naming it. `<tool_call>{json}</tool_call>` blocks in the generated
 text become structured `tool_calls` (finish reason `tool_calls`) when the request offered tools, as the
 Hermes tool parsers of vLLM and SGLang do, and a malformed block leaves the whole text as content.
 `logprobs: true` returns each generated token's log-prob (no `top_logprobs`: the engine keeps only the
