@@ -267,13 +267,14 @@ def load_benchmark(
 
 def _mirror_entry(bench: Benchmark, mirror: Path) -> Path | list[Path]:
     """What a mirror holds of `bench`: `<mirror>/<name>` (a file, a `save_to_disk` copy, or a hub
-    snapshot whose config directories, `gsm8k/main/test-*.parquet`, are narrowed to the benchmark's
-    own configs), else, for a Search-R1 benchmark, Search-R1's merged `<mirror>/test.parquet` (its
-    `data_source` column picks the benchmark's rows)."""
+    snapshot narrowed to the benchmark's own configs and split: the files its dataset card maps them
+    to, else its config directories, `gsm8k/main/test-*.parquet`), else, for a Search-R1 benchmark,
+    Search-R1's merged `<mirror>/test.parquet` (its `data_source` column picks the benchmark's rows)."""
     candidates = [mirror / bench.name, *(mirror / f"{bench.name}{suffix}" for suffix in _SUFFIXES)]
     for candidate in candidates:
         if candidate.is_dir() and not (candidate / "dataset_info.json").exists():
-            return _config_dirs(bench, candidate)
+            card = _card_files(bench, candidate)
+            return card if card is not None else _config_dirs(bench, candidate)
         if candidate.exists():
             return candidate
     merged = mirror / SEARCH_R1_MERGED
@@ -281,6 +282,45 @@ def _mirror_entry(bench: Benchmark, mirror: Path) -> Path | list[Path]:
         return merged
     looked = ", ".join(str(c) for c in candidates)
     raise ValueError(f"benchmark {bench.name!r}: the mirror {mirror} holds none of {looked}")
+
+
+def _card_files(bench: Benchmark, directory: Path) -> list[Path] | None:
+    """The files a hub snapshot's dataset card maps the benchmark's configs and split to (README.md's
+    YAML header: `configs`, each a `config_name` with `data_files` of `{split, path}`, the default
+    config marked `default: true` or named `default`), in the benchmark's config order; None when the
+    snapshot has no such card. A config or split the card does not map is an error."""
+    card = directory / "README.md"
+    text = card.read_text(encoding="utf-8") if card.is_file() else ""
+    if not text.startswith("---"):
+        return None
+    import yaml  # a dependency of `datasets`, which reads the files
+
+    header = yaml.safe_load(text.split("---", 2)[1]) or {}
+    listed = header.get("configs") if isinstance(header, dict) else None
+    configs = {c.get("config_name"): c for c in listed or [] if isinstance(c, dict)}
+    if not configs:
+        return None
+    files: list[Path] = []
+    for name in bench.configs:
+        default = next((c for c in configs.values() if c.get("default")), configs.get("default"))
+        entry = configs.get(name) if name is not None else default
+        if entry is None:
+            raise ValueError(
+                f"benchmark {bench.name!r}: the dataset card of {directory} maps no config "
+                f"{name or 'default'!r} (it maps {sorted(map(str, configs))})"
+            )
+        specs = entry.get("data_files")
+        specs = specs if isinstance(specs, list) else []
+        paths = [s.get("path") for s in specs if isinstance(s, dict) and s.get("split") == bench.split]
+        patterns = [p for path in paths for p in (path if isinstance(path, list) else [path])]
+        found = sorted({f for pattern in patterns for f in directory.glob(str(pattern)) if f.is_file()})
+        if not found:
+            raise ValueError(
+                f"benchmark {bench.name!r}: the dataset card of {directory} maps no existing "
+                f"{bench.split!r} files to config {name or 'default'!r} (patterns {patterns})"
+            )
+        files += found
+    return files
 
 
 def _config_dirs(bench: Benchmark, directory: Path) -> Path | list[Path]:

@@ -335,3 +335,48 @@ def test_search_r1s_merged_test_parquet_serves_every_qa_benchmark(tmp_path: Path
         load_benchmark("popqa", mirror=tmp_path)
     with pytest.raises(ValueError, match=r"the mirror .* holds none of"):
         load_benchmark("gsm8k", mirror=tmp_path)
+
+
+GSM8K_CARD = """---
+dataset_info:
+  features:
+  - name: question
+    dtype: string
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: train_main.parquet
+  - split: test
+    path: tests/main-*.parquet
+- config_name: socratic
+  data_files:
+  - split: test
+    path: tests/socratic-*.parquet
+---
+# GSM8K
+"""
+
+
+def test_a_snapshots_dataset_card_maps_configs_and_splits_to_files(tmp_path: Path) -> None:
+    """A snapshot whose README.md maps each config's splits to files (the hub's `configs:` header) is
+    read through that map: gsm8k's `main` test files only; the default config of a one-config set;
+    an unmapped config is refused."""
+    snapshot = tmp_path / "gsm8k"
+    (snapshot / "tests").mkdir(parents=True)
+    (snapshot / "README.md").write_text(GSM8K_CARD)
+    rows = pd.read_parquet(FIXTURES / "gsm8k.parquet")
+    rows[:2].to_parquet(snapshot / "tests" / "main-00000-of-00002.parquet")
+    rows[2:].to_parquet(snapshot / "tests" / "main-00001-of-00002.parquet")
+    rows.assign(answer="#### 1").to_parquet(snapshot / "tests" / "socratic-00000-of-00001.parquet")
+    rows.assign(answer="#### 2").to_parquet(snapshot / "train_main.parquet")
+    assert [t.answer for t in load_benchmark("gsm8k", mirror=tmp_path)] == ["7", "6000", "-2"]
+    card = "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+    card += "    path: data/train-*\n---\n"
+    (tmp_path / "aime24" / "data").mkdir(parents=True)
+    (tmp_path / "aime24" / "README.md").write_text(card)
+    shutil.copy(FIXTURES / "aime24.parquet", tmp_path / "aime24" / "data" / "train-00000-of-00001.parquet")
+    assert len(load_benchmark("aime24", mirror=tmp_path)) == 3
+    (snapshot / "README.md").write_text(GSM8K_CARD.replace("config_name: main", "config_name: other"))
+    with pytest.raises(ValueError, match=r"the dataset card of .* maps no config 'main'"):
+        load_benchmark("gsm8k", mirror=tmp_path)
