@@ -32,12 +32,14 @@ from pacerl.envs import Task, ToolEnv, load_tasks
 from pacerl.envs.registry import env_class, registered_kwargs
 from pacerl.envs.tools.core import SANDBOX_POLICIES, SandboxPolicy
 from pacerl.parallel import start_learner
+from pacerl.settings import config_to_dict
 from pacerl.trainer.distributed import LearnerGroup
 from pacerl.trainer.evaluator import BackgroundEvaluator
 from pacerl.trainer.learner import Learner, LearnerLike
 from pacerl.trainer.loop import Run
 from pacerl.trainer.pool import TrajectoryPool
 from pacerl.trainer.sft import SFTConfig, demonstrations, sft
+from pacerl.trainer.trackers import open_metrics
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +161,7 @@ def build_run(
     elif runtime is None:
         learner = Learner(model, config.learner, pad_id=int(tokenizer.pad_token_id or 0))
     driver = RolloutDriver(engine, tokenizer, make_episode, config.rollout, num_experts=num_experts(model))
+    metrics = open_metrics(config.logging, run_dir, config_to_dict(config))
     run = Run(
         learner=learner,
         engine=engine,
@@ -167,6 +170,7 @@ def build_run(
         pool=TrajectoryPool(config.filter),
         config=replace(config.loop, seed=replicate_seed(config.loop.seed, config.seed)),
         run_dir=run_dir,
+        metrics=metrics,
     )
     if runtime is not None:
         runtime.attach(run)

@@ -32,6 +32,7 @@ from pacerl.settings import apply_overrides, config_to_dict, merge_settings, rea
 from pacerl.trainer.learner import LearnerConfig
 from pacerl.trainer.loop import LoopConfig
 from pacerl.trainer.pool import FilterConfig
+from pacerl.trainer.trackers import LoggingConfig
 
 log = logging.getLogger(__name__)
 
@@ -369,6 +370,8 @@ class RunConfig:
     """The Ray cluster and the actors of `runtime = "ray"`."""
     emulation: EmulationSpec = field(default_factory=EmulationSpec)
     """Train under the clock of a simulated GPU cluster (`emulation.clock = "emulated"`)."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Where each step's metrics go besides metrics.jsonl: TensorBoard, W&B, MLflow (`logging.trackers`)."""
 
     def __post_init__(self) -> None:
         if self.engine_backend not in ("embedded", "sglang", "openai"):

@@ -127,6 +127,7 @@ class Run:
         pool: TrajectoryPool,
         config: LoopConfig,
         run_dir: Path,
+        metrics: MetricsWriter | None = None,
     ) -> None:
         self.learner, self.engine, self.driver, self.pool, self.config = learner, engine, driver, pool, config
         self.run_dir = run_dir
@@ -164,7 +165,8 @@ class Run:
         """Of `steps_run`, the steps that changed the weights."""
         self._started = time.time()
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsWriter(run_dir)
+        self.metrics = metrics if metrics is not None else MetricsWriter(run_dir)
+        """Where each step's metrics go (`pacerl.trainer.trackers.open_metrics` adds the trackers)."""
 
     # -- generate -------------------------------------------------------------------------------------
 

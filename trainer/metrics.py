@@ -1,4 +1,5 @@
-"""Training metrics: one JSON line per step (`metrics.jsonl`) and TensorBoard events (`tb/`).
+"""Training metrics: one JSON line per step (`metrics.jsonl`), TensorBoard events (`tb/`) and the scalars
+handed to any experiment trackers (`pacerl.trainer.trackers`: W&B, MLflow).
 
     with MetricsWriter(Path("runs/exp1")) as metrics:
         metrics.write(step, {"loss": 0.31, "reward": 0.42}, histograms={"advantages": adv})
@@ -16,7 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import numpy as np
 from tensorboardX import SummaryWriter
@@ -28,12 +29,22 @@ TENSORBOARD_DIR = "tb"
 _RESERVED = frozenset({"step", "time", "nonfinite"})
 
 
+class Tracker(Protocol):
+    """An experiment tracker (`pacerl.trainer.trackers`): each step's scalars (a non-finite one as a float
+    NaN or infinity), then one close."""
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsWriter:
     """Appends each step's scalars to `run_dir/metrics.jsonl` (flushed per line, so a crashed run keeps
     every step it logged) and, with `tensorboard`, writes them and any histograms as TensorBoard events
-    under `run_dir/tb/`. A context manager; `close()` is idempotent."""
+    under `run_dir/tb/`; each of `trackers` gets the same scalars. A context manager; `close()` is
+    idempotent and closes the trackers too."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, trackers: Sequence[Tracker] = ()) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -43,6 +54,7 @@ class MetricsWriter:
         if tensorboard:
             # flush_secs is a ceiling only: write() flushes the events itself, once per step.
             self._tb = SummaryWriter(logdir=str(self.run_dir / TENSORBOARD_DIR), flush_secs=10)
+        self._trackers = list(trackers)
 
     def write(
         self,
@@ -70,6 +82,9 @@ class MetricsWriter:
             row["nonfinite"] = nonfinite
         self._file.write(json.dumps(row, allow_nan=False) + "\n")
         self._file.flush()
+        floats = {name: float(value) for name, value in scalars.items()}
+        for tracker in self._trackers:
+            tracker.log(int(step), floats)
         if self._tb is None:
             return
         for name, value in scalars.items():
@@ -83,7 +98,10 @@ class MetricsWriter:
         self._tb.flush()
 
     def close(self) -> None:
-        """Flush and close both outputs. Idempotent."""
+        """Flush and close every output. Idempotent."""
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
         if self._file is not None:
             self._file.close()
             self._file = None
