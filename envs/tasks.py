@@ -154,6 +154,21 @@ def load_tasks(source: str | Path, split: str = "train") -> list[Task]:
     return _from_rows(datasets.load_dataset(str(source), split=split))
 
 
+def hold_out(
+    tasks: Sequence[Task], seed: int, share: float = 0.1, most: int = 64
+) -> tuple[list[Task], list[Task]]:
+    """(the tasks to train on, the tasks held out of training to evaluate on) for an env that ships no
+    validation set: `share` of the tasks (at least 1, at most `most`), chosen by `seed`, each list in
+    the tasks' own order. The same tasks and seed hold out the same tasks, so `pacerl eval` scores a run
+    on the very tasks its training never drew. A ValueError for fewer than 2 tasks."""
+    if len(tasks) < 2:
+        raise ValueError(f"holding tasks out of training needs at least 2 tasks, got {len(tasks)}")
+    count = min(most, max(1, int(len(tasks) * share)), len(tasks) - 1)
+    held = set(random.Random(seed).sample(range(len(tasks)), count))
+    kept = [task for index, task in enumerate(tasks) if index not in held]
+    return kept, [task for index, task in enumerate(tasks) if index in held]
+
+
 @functools.lru_cache(maxsize=32)
 def _read_task_file(path: Path, mtime_ns: int, size: int) -> tuple[Task, ...]:
     """The tasks of one file, cached by path, modification time and size: every env of a run (one per

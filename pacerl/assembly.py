@@ -30,6 +30,7 @@ from pacerl.config import ConfigError, RunConfig
 from pacerl.display import ProgressDisplay
 from pacerl.envs import Task, ToolEnv, load_tasks
 from pacerl.envs.registry import env_class, registered_kwargs
+from pacerl.envs.tasks import hold_out
 from pacerl.envs.tools.core import SANDBOX_POLICIES, SandboxPolicy
 from pacerl.parallel import start_learner
 from pacerl.settings import config_to_dict
@@ -44,17 +45,19 @@ from pacerl.trainer.trackers import open_metrics
 log = logging.getLogger(__name__)
 
 
-def env_factory(config: RunConfig) -> Callable[[], ToolEnv]:
+def env_factory(config: RunConfig, tasks: Sequence[Task] | None = None) -> Callable[[], ToolEnv]:
     """A maker of fresh, unwrapped envs of `config.env` (the driver needs `astep` and the tool schemas,
     which Gymnasium's wrappers hide), built as `gymnasium.make` would (with the id's registered
-    kwargs) but with the run's episode limits, prompt, tasks and tool settings."""
+    kwargs) but with the run's episode limits, prompt, tasks (`tasks` when given) and tool settings."""
     spec = config.env
     try:
         cls = env_class(spec.id)
         kwargs = registered_kwargs(spec.id)
     except ValueError as error:
         raise ConfigError(f"config: env.id: {error}") from None
-    if spec.tasks is not None:
+    if tasks is not None:
+        kwargs["tasks"] = list(tasks)
+    elif spec.tasks is not None:
         kwargs["tasks"] = load_tasks(spec.tasks)
     takes_tasks = inspect.signature(cls).parameters.get("tasks")
     no_default = takes_tasks is not None and takes_tasks.default is inspect.Parameter.empty
@@ -292,21 +295,48 @@ def num_experts(model: Any) -> int:
         return 0
 
 
+def held_out_of_training(config: RunConfig, tasks: Sequence[Task]) -> tuple[list[Task], list[Task] | None]:
+    """(the tasks to train on, the tasks to evaluate on when the run evaluates and neither the config
+    nor the env names a validation set: a slice of the training tasks held out of training, chosen by
+    the run's seed (`pacerl.envs.tasks.hold_out`), said in the log; else None)."""
+    evaluates = config.evaluation.every or config.evaluation.at_start or config.evaluation.at_end
+    cls = env_class(config.env.id)
+    if not evaluates or config.evaluation.tasks is not None or cls.validation_tasks is not None:
+        return list(tasks), None
+    try:
+        kept, held = hold_out(tasks, config.seed)
+    except ValueError as error:
+        raise ConfigError(
+            f"config: evaluation.tasks: {config.env.id} ships no validation set and {error}: name a "
+            "task file, or turn evaluation off (evaluation.every=0 evaluation.at_start=false "
+            "evaluation.at_end=false)"
+        ) from None
+    log.warning(
+        "%s ships no validation set: evaluating on %d of its %d training tasks, held out of training "
+        "(seed %d; evaluation.tasks names a set of your own)",
+        config.env.id, len(held), len(tasks), config.seed,
+    )  # fmt: skip
+    return kept, held
+
+
 def background_evaluator(
     config: RunConfig,
     model: Any,
     tokenizer: PreTrainedTokenizerBase,
     version: int,
     make_env: Callable[[], ToolEnv],
+    *,
+    held_out: Sequence[Task] | None = None,
 ) -> BackgroundEvaluator:
     """The run's evaluator: its own engine on a twin of `model` at `version`, the held-out tasks
-    (`evaluation.tasks`, else the env's shipped validation set) and the further named sets
-    (`evaluation.extra_tasks`, else the env's `extra_validation_tasks`)."""
+    (`evaluation.tasks`, else the env's shipped validation set, else `held_out`: the training tasks
+    `held_out_of_training` kept back) and the further named sets (`evaluation.extra_tasks`, else the
+    env's `extra_validation_tasks`)."""
     cls = env_class(config.env.id)
     source = config.evaluation.tasks or cls.validation_tasks
     named = config.evaluation.extra_tasks
     extra = cls.extra_validation_tasks if named is None else named
-    if source is None:
+    if source is None and held_out is None:
         raise ConfigError(
             f"config: evaluation.tasks: {config.env.id} ships no validation set: name a task file, or "
             "turn evaluation off (evaluation.every=0 evaluation.at_start=false evaluation.at_end=false)"
@@ -315,7 +345,7 @@ def background_evaluator(
         EmbeddedEngine(build_twin(model), tokenizer, version=version),
         tokenizer,
         make_env,
-        load_tasks(source),
+        load_tasks(source) if source is not None else list(held_out or ()),
         config.evaluation.settings,
         every=config.evaluation.every,
         num_experts=num_experts(model),

@@ -29,6 +29,7 @@ from pacerl.envs.registry import env_class
 from pacerl.sandbox.limits import Limits
 from pacerl.settings import ConfigError as ConfigError
 from pacerl.settings import apply_overrides, config_to_dict, merge_settings, read_settings, settings_into
+from pacerl.trainer.batch_prep import ADVANTAGES
 from pacerl.trainer.learner import LearnerConfig
 from pacerl.trainer.loop import LoopConfig
 from pacerl.trainer.pool import FilterConfig
@@ -387,6 +388,12 @@ class RunConfig:
             raise ValueError(problem)
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size}: every advantage estimator "
+                f"(learner.advantage: {', '.join(ADVANTAGES)}) measures an episode against its group's mean, "
+                "so a group of one has advantage 0 and no step would train; use rollout.group_size >= 2"
+            )
         if self.runtime not in ("local", "ray"):
             raise ValueError(f"runtime must be local or ray, got {self.runtime!r}")
         if self.runtime == "ray" and self.engine_backend == "sglang":
@@ -538,7 +545,10 @@ def model_warnings(config: RunConfig) -> list[str]:
     facts = model_facts(config.model.path)
     if facts is None:
         return []
-    tools = env_class(config.env.id).tool_names
+    try:
+        tools = env_class(config.env.id).tool_names
+    except ValueError:  # refused where the env is built, under the name of its flag (--env, env.id)
+        tools = ()
     settings = config.evaluation.settings
     budgets = [
         ("rollout", config.rollout.max_total_tokens, config.rollout.sampling.max_new_tokens),

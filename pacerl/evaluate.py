@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -41,7 +42,7 @@ from pacerl.agents.evaluation.suites import SuiteResult, benchmark_eval_config, 
 from pacerl.agents.gguf import SHIPPED
 from pacerl.agents.models import load_model
 from pacerl.agents.tokenizer import with_chat_template
-from pacerl.assembly import env_factory, sandbox_settings, seed_everything
+from pacerl.assembly import env_factory, sandbox_settings, seed_everything, training_tasks
 from pacerl.config import (
     ConfigError,
     RunConfig,
@@ -53,6 +54,7 @@ from pacerl.config import (
 from pacerl.display import EpisodeDisplay
 from pacerl.envs import Task, ToolEnv
 from pacerl.envs.registry import env_class
+from pacerl.envs.tasks import hold_out
 from pacerl.settings import apply_overrides, config_to_dict, merge_settings, read_settings
 from pacerl.train import quiet_logging
 
@@ -210,12 +212,20 @@ def _run_env(config: RunConfig, subject: str, keep: Callable[[Sequence[dict[str,
     except ValueError as error:
         raise ConfigError(f"--env: {error}") from None
     source = config.evaluation.tasks if config.evaluation.tasks is not None else cls.validation_tasks
-    if source is None:
-        raise ConfigError(
-            f"--tasks: {spec.id} ships no validation set; name a task file (--tasks or evaluation.tasks)"
-        )
-    config = replace(config, env=replace(spec, tasks=source))
-    make_env = env_factory(config)  # a bad env or task set fails here, before the model loads
+    if source is not None:
+        config = replace(config, env=replace(spec, tasks=source))
+        make_env = env_factory(config)  # a bad env or task set fails here, before the model loads
+    else:  # the tasks a run of this config held out of training (`held_out_of_training`)
+        every = training_tasks(env_factory(config))
+        try:
+            held = hold_out(every, config.seed)[1]
+        except ValueError as error:
+            raise ConfigError(
+                f"--tasks: {spec.id} ships no validation set and {error}; name a task file (--tasks)"
+            ) from None
+        make_env = env_factory(config, tasks=held)
+        source = f"{len(held)} of its {len(every)} tasks held out of training, seed {config.seed}"
+        print(f"{spec.id} ships no validation set: evaluating on {source}", file=sys.stderr)
     seed_everything(config)
     given = {"retriever_url": spec.retriever_url} if spec.retriever_url else {}
     with cls.services(given) as started:

@@ -28,6 +28,7 @@ from pacerl.assembly import (
     background_evaluator,
     build_run,
     env_factory,
+    held_out_of_training,
     load_policy,
     seed_everything,
     training_tasks,
@@ -74,12 +75,6 @@ async def train(config: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         config.sft.resolved(config.env.id)
     except ValueError as error:
         raise ConfigError(f"config: {error}") from None
-    evaluations = config.evaluation.every or config.evaluation.at_start or config.evaluation.at_end
-    if evaluations and config.evaluation.tasks is None and cls.validation_tasks is None:
-        raise ConfigError(
-            f"config: evaluation.tasks: {config.env.id} ships no validation set: name a task file, or turn "
-            "evaluation off (evaluation.every=0 evaluation.at_start=false evaluation.at_end=false)"
-        )
     settings = {"retriever_url": config.env.retriever_url} if config.env.retriever_url else {}
     with cls.services(settings) as started:
         served = config
@@ -101,7 +96,7 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
     seed_everything(config)
     model, tokenizer = load_policy(config, run_dir / TOKENIZER_DIR if resume else None)
     make_env = env_factory(config)  # an unknown env or task file fails here, before anything is written
-    tasks = training_tasks(make_env)
+    tasks, held_out = held_out_of_training(config, training_tasks(make_env))
     _prepare_run_dir(run_dir, fresh=not resume)
     save_config(saved, run_dir / CONFIG_FILE)
     if config.model.path is None and not resume:  # the tiny tokenizer is rebuilt from code: keep this one
@@ -128,7 +123,9 @@ async def _train(config: RunConfig, *, resume: bool, saved: RunConfig) -> dict[s
         loop = _emulated_loop(config)
     evaluator = None
     if config.evaluation.every or config.evaluation.at_start or config.evaluation.at_end:
-        evaluator = background_evaluator(config, model, tokenizer, run.learner.version, make_env)
+        evaluator = background_evaluator(
+            config, model, tokenizer, run.learner.version, make_env, held_out=held_out
+        )
         run.after_step.append(evaluator.hook)
     try:
         if evaluator is not None and config.evaluation.at_start and run.step == 0:

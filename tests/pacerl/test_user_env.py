@@ -1,6 +1,7 @@
 """A user's env in their own module, outside the package, registered as `module:Name-v0`: the CLI
 evaluates it and trains on it with no edit to pacerl, and what it lacks (demonstrations, a validation
-set, default tasks) is either done without or named in one clear line."""
+set, default tasks) is either done without (no validation set: a seeded tenth of the training tasks is
+held out of training and evaluated on, and the log says so) or named in one clear line."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import pytest
 
 from pacerl.agents.models import build_tiny_moe, save_model
 from pacerl.agents.tokenizer import tiny_tokenizer
-from pacerl.assembly import env_factory
+from pacerl.assembly import env_factory, held_out_of_training, training_tasks
 from pacerl.config import ConfigError, config_from_dict
+from pacerl.envs import Task
 from pacerl.envs.registry import env_class
+from pacerl.envs.tasks import hold_out
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,8 +122,15 @@ def test_the_cli_evaluates_and_trains_a_users_env(user_module: Path, tmp_path: P
     tokenizer = tiny_tokenizer()
     model = save_model(build_tiny_moe(tokenizer=tokenizer), tokenizer, tmp_path / "model")
     tasks = str(user_module / "quiz.jsonl")
-    missing = cli(user_module, "eval", "--model", str(model), "--env", ENV_ID)
-    assert missing.returncode != 0 and "ships no validation set; name a task file" in missing.stderr
+    # No validation set: the tasks a run holds out of training (1 of the 4, by the seed), said so.
+    held_report = tmp_path / "held.json"
+    held = cli(user_module, "eval", "--model", str(model), "--env", ENV_ID, "--out", str(held_report))
+    assert held.returncode == 0, held.stderr
+    assert (
+        "ships no validation set: evaluating on 1 of its 4 tasks held out of training, seed 0" in held.stderr
+    )
+    held_out = json.loads(held_report.read_text())
+    assert held_out["tasks"] == 1 and held_out["episodes"] == 4
     report = tmp_path / "eval.json"
     evaluated = cli(
         user_module, "eval", "--model", str(model), "--env", ENV_ID, "--tasks", tasks, "--n", "2",
@@ -134,10 +144,8 @@ def test_the_cli_evaluates_and_trains_a_users_env(user_module: Path, tmp_path: P
         "rollout.group_size=2", "filter.pace.target_groups=2", "filter.max_concurrent_groups=2",
         "evaluation.every=0", "evaluation.at_start=false",
     ]  # fmt: skip
-    unevaluated = cli(user_module, "train", *settings)
-    assert unevaluated.returncode != 0 and "evaluation.tasks" in unevaluated.stderr
-    assert not run_dir.exists()  # refused before anything was written
-    trained = cli(user_module, "train", *settings, f"evaluation.tasks={tasks}")
+    trained = cli(user_module, "train", *settings)
+    assert "evaluating on 1 of its 4 training tasks, held out of training (seed 0" in trained.stderr
     # A random-init model with no warm start draws reward 0 everywhere: every step is skipped, so the run
     # writes its outputs and report, then exits 2 naming it (a pipeline must not take it for success).
     assert trained.returncode == 2, trained.stderr
@@ -149,3 +157,37 @@ def test_the_cli_evaluates_and_trains_a_users_env(user_module: Path, tmp_path: P
     assert 0.0 <= summary["evaluations"][-1]["eval/accuracy"] <= 1.0
     assert not (run_dir / "warm_start").exists()  # nothing to demonstrate: no warm start
     assert (run_dir / "model" / "config.json").exists()
+
+
+def test_hold_out_keeps_a_seeded_tenth_of_the_tasks_out_of_training() -> None:
+    tasks = [Task(f"t{i}", f"q{i}", ("a",)) for i in range(30)]
+    kept, held = hold_out(tasks, seed=3)
+    assert len(held) == 3 and len(kept) == 27  # a tenth
+    assert {t.id for t in kept} | {t.id for t in held} == {t.id for t in tasks}
+    assert not {t.id for t in kept} & {t.id for t in held}
+    assert kept == sorted(kept, key=tasks.index) and held == sorted(held, key=tasks.index)  # own order
+    assert hold_out(tasks, seed=3) == (kept, held) and hold_out(tasks, seed=4)[1] != held
+    assert len(hold_out(tasks[:4], seed=0)[1]) == 1  # at least one
+    assert len(hold_out(tasks * 30, seed=0, most=64)[1]) == 64  # at most `most`
+    with pytest.raises(ValueError, match="at least 2 tasks"):
+        hold_out(tasks[:1], seed=0)
+
+
+def test_a_run_without_a_validation_set_trains_on_what_it_does_not_evaluate(user_module: Path) -> None:
+    config = config_from_dict({"env": {"id": ENV_ID}, "seed": 5})
+    every = training_tasks(env_factory(config))
+    kept, held = held_out_of_training(config, every)
+    assert held is not None and len(held) == 1 and held == hold_out(every, 5)[1]
+    assert not {t.id for t in kept} & {t.id for t in held} and len(kept) == 3
+    quiet = config_from_dict(
+        {"env": {"id": ENV_ID}, "evaluation": {"every": 0, "at_start": False, "at_end": False}}
+    )
+    assert held_out_of_training(quiet, every) == (every, None)  # no evaluation: every task trains
+    named = config_from_dict({"env": {"id": ENV_ID}, "evaluation": {"tasks": "codemath-val"}})
+    assert held_out_of_training(named, every) == (every, None)  # a named set: nothing held out
+
+
+def test_a_group_of_one_is_refused_as_a_run_that_cannot_learn() -> None:
+    with pytest.raises(ConfigError, match=r"rollout.group_size=1: every advantage estimator .* use rollout"):
+        config_from_dict({"rollout": {"group_size": 1}})
+    assert config_from_dict({"rollout": {"group_size": 2}}).rollout.group_size == 2
