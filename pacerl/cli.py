@@ -12,12 +12,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pacerl.agents.evaluation.config import EvalConfig
+from pacerl.config_keys import check_keys
 from pacerl.lab.calibrate_cli import add_calibrate_parser
 from pacerl.lab.simulate_cli import add_simulate_parser
 from pacerl.sandbox import BACKENDS, Limits, Sandbox, SandboxUsageError
 from pacerl.sandbox.http_guard import add_guard_flags, guard_from_flags
 from pacerl.sandbox.limits import RequestMaxima
 from pacerl.serve_openai import add_serve_openai_parser
+from pacerl.settings import read_settings
 
 _RETRIEVER_FLAGS = {
     "max_queries": ("--max-queries", "queries in one request", 4096),
@@ -148,8 +150,17 @@ _PRINT_CONFIG_HELP = (
 )
 
 
+def _check_keys(config_path: str | None, overrides: Sequence[str]) -> None:
+    """Refuse a misspelt key of the config file or the overrides before the library loads (seconds of
+    torch and transformers); everything else is checked when the config is built."""
+    data = read_settings(Path(config_path)) if config_path is not None else {}
+    check_keys(data, overrides)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """`pacerl train [--config FILE] [key=value ...] [--resume RUN_DIR] [--print-config]`."""
+    if args.resume is None:
+        _check_keys(args.config, args.overrides)
     from pacerl.train import main_train
 
     return main_train(args.config, args.overrides, args.resume, print_config=args.print_config)
@@ -157,6 +168,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     """`pacerl sft --out DIR [--config FILE] [key=value ...]`."""
+    _check_keys(args.config, args.overrides)
     from pacerl.train import main_sft
 
     return main_sft(args.config, args.overrides, args.out)
@@ -190,6 +202,7 @@ def cmd_upcycle(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """`pacerl eval [--config FILE] [key=value ...] [--model DIR] [--env ID] [--n K] ...`."""
+    _check_keys(args.config, args.overrides)
     from pacerl.evaluate import main_eval
 
     return main_eval(
