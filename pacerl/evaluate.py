@@ -34,7 +34,7 @@ from pacerl.agents.engine.embedded import EmbeddedEngine
 from pacerl.agents.engine.openai_chat import OpenAIChatClient
 from pacerl.agents.engine.protocol import Engine
 from pacerl.agents.engine.sglang import SGLangEngine
-from pacerl.agents.evaluation.benchmarks import Benchmark, load_benchmark, suite_benchmarks
+from pacerl.agents.evaluation.benchmarks import MIRROR_ENV, Benchmark, load_benchmark, suite_benchmarks
 from pacerl.agents.evaluation.config import EvalConfig
 from pacerl.agents.evaluation.play import evaluate, evaluate_served
 from pacerl.agents.evaluation.report import EvalReport, transcript
@@ -235,6 +235,13 @@ def _run_env(config: RunConfig, subject: str, keep: Callable[[Sequence[dict[str,
         return _run_eval(config, make_env, config.evaluation.settings, label, keep, {})
 
 
+_SUITE_DIR_HINT = (
+    "--suite-dir DIR, a directory holding {name}.parquet (or {name}/, a hub snapshot), or "
+    f"{MIRROR_ENV}=DIR"
+)
+"""How a user of `pacerl eval --suite` gives a benchmark's local copy."""
+
+
 def _run_suite(
     config: RunConfig,
     given: Mapping[str, Any],
@@ -250,7 +257,7 @@ def _run_suite(
     try:
         members = suite_benchmarks(suite)
         benchmark_tasks = {
-            b.name: load_benchmark(b, mirror=suite_dir) for b in members
+            b.name: load_benchmark(b, mirror=suite_dir, local_copy=_SUITE_DIR_HINT) for b in members
         }  # read before any run
     except ValueError as error:
         raise ConfigError(f"--suite {suite}: {error}") from None

@@ -52,6 +52,12 @@ MIRROR_ENV = "PACERL_BENCHMARK_DIR"
 `.json`, or a directory `<dir>/<benchmark>/` of such files or a `save_to_disk` copy)."""
 
 _SUFFIXES = (".parquet", ".jsonl", ".json")
+
+LIBRARY_LOCAL_COPY = (
+    "data_files=FILE (.parquet/.jsonl), or a mirror directory holding {name}.parquet (mirror=DIR, or "
+    f"{MIRROR_ENV}=DIR)"
+)
+"""How a caller of `load_benchmark` gives a local copy (`{name}`: the benchmark)."""
 SEARCH_R1_MERGED = "test.parquet"
 """The name of Search-R1's merged test file (`qa_search_test_merge.py`), which a mirror may hold for all
 seven QA benchmarks at once."""
@@ -242,11 +248,14 @@ def load_benchmark(
     *,
     data_files: str | Path | Sequence[str | Path] | None = None,
     mirror: str | Path | None = None,
+    local_copy: str = LIBRARY_LOCAL_COPY,
 ) -> list[Task]:
     """The tasks of `benchmark`: from `data_files` (files in its hub schema, or Search-R1's processed
     parquet), else from `mirror` (or the `PACERL_BENCHMARK_DIR` directory), else from the hub with
     `datasets.load_dataset(dataset, config, split=split)`. A ValueError names what failed and what to
-    pass; a mirror that lacks the benchmark is an error, not a silent trip to the hub."""
+    pass (`local_copy`: how the caller's user gives a local copy, `{name}` the benchmark's name; the
+    command line names its flag); a mirror that lacks the benchmark is an error, not a silent trip to
+    the hub."""
     bench = get_benchmark(benchmark)
     mirror = mirror if mirror is not None else os.environ.get(MIRROR_ENV) or None
     if data_files is not None:
@@ -254,7 +263,7 @@ def load_benchmark(
     elif mirror is not None:
         rows = _local_rows(bench, _mirror_entry(bench, Path(mirror).expanduser()))
     else:
-        rows = _hub_rows(bench)
+        rows = _hub_rows(bench, local_copy)
     if rows and "data_source" in rows[0] and "reward_model" in rows[0]:  # Search-R1's merged files
         rows = [row for row in rows if row.get("data_source") == bench.name]
     if not rows:
@@ -344,9 +353,22 @@ def _has_column(path: Path, column: str) -> bool:
     return column in pq.read_schema(path).names
 
 
+def _datasets(bench: Benchmark) -> Any:
+    """The `datasets` package (benchmarks, local copies included, are read through it), or a ValueError
+    saying how to install it."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(
+            f"benchmark {bench.name!r} is read through `datasets`, which is not installed "
+            "(pip install datasets)"
+        ) from None
+    return datasets
+
+
 def _local_rows(bench: Benchmark, data_files: str | Path | Sequence[str | Path]) -> list[dict[str, Any]]:
     """Rows of local files through `datasets`' own builders, as the hub's files would be read."""
-    import datasets
+    datasets = _datasets(bench)
 
     given = [data_files] if isinstance(data_files, str | Path) else list(data_files)
     paths = [Path(p).expanduser() for p in given]
@@ -380,13 +402,8 @@ def _data_files(bench: Benchmark, path: Path) -> list[Path]:
     return of_split or files
 
 
-def _hub_rows(bench: Benchmark) -> list[dict[str, Any]]:
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(
-            f"benchmark {bench.name!r} loads through `datasets`, which is not installed"
-        ) from None
+def _hub_rows(bench: Benchmark, local_copy: str) -> list[dict[str, Any]]:
+    datasets = _datasets(bench)
     rows: list[dict[str, Any]] = []
     for config in bench.configs:
         try:
@@ -396,8 +413,7 @@ def _hub_rows(bench: Benchmark) -> list[dict[str, Any]]:
             raise ValueError(
                 f"benchmark {bench.name!r}: cannot load {where} from the Hugging Face hub "
                 f"({type(error).__name__}: {str(error)[:200]}). Pass a local copy in the same schema: "
-                f"data_files=FILE (.parquet/.jsonl), or a mirror directory holding {bench.name}.parquet "
-                f"(mirror=DIR, or {MIRROR_ENV}=DIR)"
+                + local_copy.format(name=bench.name)
             ) from None
         rows += [dict(row) for row in loaded]
     return rows

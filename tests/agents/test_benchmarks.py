@@ -380,3 +380,31 @@ def test_a_snapshots_dataset_card_maps_configs_and_splits_to_files(tmp_path: Pat
     (snapshot / "README.md").write_text(GSM8K_CARD.replace("config_name: main", "config_name: other"))
     with pytest.raises(ValueError, match=r"the dataset card of .* maps no config 'main'"):
         load_benchmark("gsm8k", mirror=tmp_path)
+
+
+def test_offline_the_command_line_names_its_own_flag_for_a_local_copy() -> None:
+    env = {key: value for key, value in os.environ.items() if key != MIRROR_ENV}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    command = [sys.executable, "-m", "pacerl", "eval", "--model", "smollm2-135m", "--suite", "gsm8k"]
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and last.startswith(
+        "pacerl: error: --suite gsm8k: benchmark 'gsm8k': cannot load"
+    )
+    assert "--suite-dir DIR, a directory holding gsm8k.parquet" in last and f"{MIRROR_ENV}=DIR" in last
+    assert "data_files=" not in last and "mirror=DIR" not in last
+
+
+def test_without_datasets_a_local_copy_is_refused_saying_what_to_install() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['datasets'] = None  # as if it were not installed\n"
+        "from pacerl.agents.evaluation.benchmarks import load_benchmark\n"
+        f"load_benchmark('gsm8k', data_files={str(FIXTURES / 'gsm8k.parquet')!r})\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and last == (
+        "ValueError: benchmark 'gsm8k' is read through `datasets`, which is not installed "
+        "(pip install datasets)"
+    )
