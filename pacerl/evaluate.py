@@ -266,13 +266,21 @@ def _run_suite(
     chosen_env = given.get("env", {})
     env_keys = ("system_prompt", "max_turns", "max_tool_calls")
     user_env = {key: getattr(config.env, key) for key in env_keys if key in chosen_env}
+    sampling = {}  # each benchmark's settings, checked before any run
+    for benchmark in members:
+        try:
+            sampling[benchmark.name] = benchmark_eval_config(
+                benchmark, config.evaluation.settings, user_settings
+            )
+        except ValueError as error:
+            raise ConfigError(f"--suite {suite}: {benchmark.name}: {error}") from None
     seed_everything(config)
     loaded: dict[str, tuple[Any, Any]] = {}  # the model, loaded once for every benchmark
     order = {benchmark.name: index for index, benchmark in enumerate(members, start=1)}
 
     def evaluate_benchmark(benchmark: Benchmark) -> EvalReport:
         cls = env_class(benchmark.env_id)
-        settings = benchmark_eval_config(benchmark, config.evaluation.settings, user_settings)
+        settings = sampling[benchmark.name]
         service = {"retriever_url": config.env.retriever_url} if config.env.retriever_url else {}
         with cls.services(service) as started:
             options = replace(cls.default_config(), **user_env)

@@ -210,3 +210,19 @@ def test_the_math_suites_pose_problems_as_papers_do(tmp_path: Path) -> None:
     (system, _), _ = env.reset()
     assert system == {"role": "system", "content": MATH_SYSTEM_PROMPT}
     env.close()
+
+
+def test_settings_a_benchmark_cannot_take_are_refused_before_any_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two samples for the whole math suite: GSM8K is greedy (temperature 0), where samples must be 1."""
+
+    def no_model(*_: Any) -> Any:
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr("pacerl.evaluate._load", no_model)
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "suites"
+    with pytest.raises(
+        ConfigError, match=r"^--suite math: gsm8k: invalid eval config: temperature 0 is greedy"
+    ):
+        main_eval(
+            "smollm2-135m", suite="math", suite_dir=str(fixtures), overrides=["evaluation.settings.samples=2"]
+        )
