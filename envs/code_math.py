@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pacerl.envs.base import ToolEnv, ToolEnvConfig
+from pacerl.envs.parsing import extract_boxed
 from pacerl.envs.rewards import Reward, boxed_math_reward
 from pacerl.envs.spaces import Message
 from pacerl.envs.tasks import Task, load_tasks
@@ -81,6 +82,10 @@ class CodeMathEnv(ToolEnv):
 
     def score(self, task: Task, final_message: str) -> Reward:
         return boxed_math_reward(final_message, task.answers, self.config.format_weight)
+
+    def final_answer(self, final_message: str) -> str | None:
+        """The answer `score` judges: the last `\\boxed{}`'s content (for maj@k's vote)."""
+        return extract_boxed(final_message)
 
     def demonstration(self, task: Task, style: str, rng: random.Random) -> list[Message]:
         """`clean`: a python call running the task's program (`print(EXPR)`, or a short program for the

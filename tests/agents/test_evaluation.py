@@ -135,7 +135,11 @@ async def test_scripted_policy_is_scored_per_episode() -> None:
     assert report.policy_version == 3 and report.label == "scripted" and report.wall_seconds > 0
     data = json.loads(json.dumps(report.to_json()))
     assert data["pass_at_k"] == {"1": pytest.approx(1 / 6), "2": pytest.approx(1 / 3)}
-    assert data["per_task"][0] == {"task_id": "a", "samples": 2, "correct": 1}
+    assert data["per_task"][0] == {"task_id": "a", "samples": 2, "correct": 1, "majority_correct": True}
+    # maj@2 with CodeMath's boxed answers: A's 408 and 999 tie and 408 came first (solved); B's only vote
+    # is 7 (the truncated sample gave none); C's failed episodes gave none (unsolved).
+    assert [r.majority_correct for r in report.per_task] == [True, False, False]
+    assert report.maj_at_k == pytest.approx(1 / 3)
     assert data["config"]["samples"] == 2
     table = report.table()
     assert "scripted" in table and "avg@2" in table and "pass@2" in table and "0.333" in table
