@@ -270,6 +270,11 @@ def main_calibrate(options: Options) -> int:
     try:
         if extra:
             _warm_start_once(base, options, warm)
+            # Resolved again now that the warm start exists: a model's defaults follow the checkpoint
+            # (`pacerl.config.model_defaults`), and a path not yet written resolves as some other model.
+            expected = {
+                point: _comparable(load_config(options.config, pairs)) for point, pairs in plans.items()
+            }
         records = _run_grid(grid, plans, expected, options, runs)
     except KeyboardInterrupt:
         print(f"interrupted: the same command resumes the sweep in {options.out}", file=sys.stderr)
