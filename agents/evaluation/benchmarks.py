@@ -86,6 +86,10 @@ class Benchmark:
     env_settings: Mapping[str, Any] = field(default_factory=dict)
     """Settings of its env (`ToolEnvConfig.settings`) that pose it as papers do (the math sets:
     `{"prompt": "paper"}`, Math-v0's `PAPER_INSTRUCTION` after the problem)."""
+    shipped: Callable[[], list[Task]] | None = None
+    """Its tasks when an installed package ships them (BFCL's data in bfcl-eval, reasoning-gym's
+    generators): nothing to download or mirror, so `dataset`, `configs`, `split` and `to_task` are
+    only descriptive and `data_files`/`mirror` are not consulted."""
 
 
 def _rest(row: Mapping[str, Any], *used: str) -> dict[str, Any]:
@@ -222,6 +226,11 @@ SUITES: dict[str, tuple[str, ...]] = {
 """Named suites, in the column order of the papers' tables (`search-r1`: Search-R1's Table 2)."""
 
 
+SUITE_FAMILIES: dict[str, Callable[[str], tuple[Benchmark, ...]]] = {}
+"""Suites named with arguments, `family:arguments` (`reasoning-gym:basic_arithmetic,leg_counting`): the
+family's function builds the benchmarks from the arguments; a module registers its family at import."""
+
+
 def get_benchmark(benchmark: str | Benchmark) -> Benchmark:
     """A benchmark by name (or itself); a ValueError lists the names."""
     if isinstance(benchmark, Benchmark):
@@ -232,7 +241,15 @@ def get_benchmark(benchmark: str | Benchmark) -> Benchmark:
 
 
 def suite_benchmarks(name: str) -> tuple[Benchmark, ...]:
-    """The benchmarks of suite `name`; a benchmark's own name is a suite of one."""
+    """The benchmarks of suite `name`; a benchmark's own name is a suite of one; `family:arguments` asks
+    a family of `SUITE_FAMILIES` to build them."""
+    family, sep, arguments = name.partition(":")
+    if sep:
+        if family not in SUITE_FAMILIES:
+            raise ValueError(
+                f"no suite family {family!r} (in {name!r}); families: {', '.join(SUITE_FAMILIES)}"
+            )
+        return SUITE_FAMILIES[family](arguments)
     if name in SUITES:
         return tuple(BENCHMARKS[member] for member in SUITES[name])
     if name in BENCHMARKS:
@@ -257,6 +274,8 @@ def load_benchmark(
     command line names its flag); a mirror that lacks the benchmark is an error, not a silent trip to
     the hub."""
     bench = get_benchmark(benchmark)
+    if bench.shipped is not None:
+        return bench.shipped()
     mirror = mirror if mirror is not None else os.environ.get(MIRROR_ENV) or None
     if data_files is not None:
         rows = _local_rows(bench, data_files)
