@@ -2,10 +2,13 @@
 
     env_class("pacerl/CodeMath-v0")           # a shipped env
     env_class("my_envs:ShellQuiz-v0")          # imports my_envs first (Gymnasium's module:id form)
+    env_class("skyrl-gym/gsm8k")               # a skyrl-gym env through its adapter (`pacerl.envs.skyrl`)
 
 A user's module registers its env with `gymnasium.register(id=..., entry_point=...)` at import; the
 `module:Name-v0` form imports it, exactly as `gymnasium.make` does, so `pacerl train env.id=...` and
-`pacerl eval --env ...` take it with no edit to the package.
+`pacerl eval --env ...` take it with no edit to the package. An id `skyrl-gym/<name>` is the adapter of
+the env skyrl-gym registers as `<name>` (a user's module registering one with `skyrl_gym.register` is
+named `module:skyrl-gym/<name>`).
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from pacerl.envs.base import ToolEnv
 
 
 def env_class(env_id: str) -> type[ToolEnv]:
-    """The `ToolEnv` subclass registered as `env_id` (`[module:]namespace/Name-vN`). A ValueError that
-    says what is wrong: the module does not import, the id is not registered (the registered tool envs
-    are listed), or its entry point is not a ToolEnv."""
+    """The `ToolEnv` subclass registered as `env_id` (`[module:]namespace/Name-vN`, or
+    `[module:]skyrl-gym/<name>`). A ValueError that says what is wrong: the module does not import, the
+    id is not registered (the registered tool envs are listed; for a skyrl-gym id, skyrl-gym's envs),
+    or its entry point is not a ToolEnv, or skyrl-gym, which a skyrl-gym id needs, is not installed."""
     if not isinstance(env_id, str) or not env_id:
         raise ValueError(f"an env id is a non-empty string, got {env_id!r}")
     module, sep, name = env_id.rpartition(":")
@@ -33,6 +37,13 @@ def env_class(env_id: str) -> type[ToolEnv]:
             importlib.import_module(module)
         except ImportError as error:
             raise ValueError(f"env {env_id!r}: cannot import module {module!r}: {error}") from None
+    if name.startswith("skyrl-gym/"):
+        from pacerl.envs.skyrl import PREFIX, skyrl_env_class
+
+        try:
+            return skyrl_env_class(name.removeprefix(PREFIX))
+        except ImportError as error:  # a ValueError here, as every id this function cannot resolve
+            raise ValueError(f"env {env_id!r}: {error}") from None
     spec = gymnasium.registry.get(name)
     if spec is None:
         hint = "" if sep else "; a user's env is named module:Name-v0, so that its module is imported first"

@@ -6,9 +6,10 @@ Schema of a task file (one JSON object per line, or one parquet row):
 
 `answer` is a string or a list of accepted strings (aliases); `level` is optional; any other column
 is kept in `Task.metadata`. Rows in verl's RL schema (Search-R1's processed parquet: `prompt`,
-`reward_model`, ...) are read too (`Task.from_verl_row`). The shipped files in envs/data/ were made by
-the generators below (`python -m envs.tasks` rewrites them; the seeds are in `SHIPPED`), the Search
-world's corpus and questions by `pacerl.envs.search_world` (`python -m envs.search_world`).
+`reward_model`, ...) and SkyRL's (`prompt`, `env_class`, `reward_spec`, ...) are read too
+(`Task.from_verl_row`). The shipped files in envs/data/ were made by the generators below (`python -m
+envs.tasks` rewrites them; the seeds are in `SHIPPED`), the Search world's corpus and questions by
+`pacerl.envs.search_world` (`python -m envs.search_world`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ class Task:
     @classmethod
     def from_row(cls, row: Mapping[str, Any], index: int = 0) -> Task:
         """A task from one file row; a ValueError names the missing or mistyped column. A row in
-        verl's RL schema (no `question`, but `prompt` and `reward_model`) is read by `from_verl_row`."""
-        if "question" not in row and "prompt" in row and "reward_model" in row:
+        verl's RL schema (no `question`, but `prompt` and `reward_model`, or SkyRL's `reward_spec`) is read
+        by `from_verl_row`."""
+        if "question" not in row and "prompt" in row and ("reward_model" in row or "reward_spec" in row):
             return cls.from_verl_row(row, index)
         if not isinstance(row.get("question"), str) or not row["question"].strip():
             raise ValueError(f"row {index}: 'question' must be a non-empty string")
@@ -70,7 +72,9 @@ class Task:
     def from_verl_row(cls, row: Mapping[str, Any], index: int = 0) -> Task:
         """A task from a row of verl's RL parquet schema, as Search-R1's data scripts write it
         (`scripts/data_process/nq_search.py`): `data_source`, `prompt` (chat messages), `ability`,
-        `reward_model: {"style", "ground_truth"}`, `extra_info: {"split", "index", ...}`.
+        `reward_model: {"style", "ground_truth"}`, `extra_info: {"split", "index", ...}`; or of SkyRL's
+        (skyrl-gym's datasets): `reward_spec: {"method", "ground_truth"}` in place of `reward_model`, and
+        `env_class`.
 
         The answers are `ground_truth["target"]` (Search-R1: a list of accepted answers) or
         `ground_truth` itself (verl's gsm8k/math scripts: one string); the question is
@@ -78,7 +82,7 @@ class Task:
         kept in `metadata`, so an env can pose the row's own `prompt` unchanged. The id is
         `<data_source>-<split>-<index>` from `extra_info` (unique across a merged test file)."""
         messages = _messages(row["prompt"], index)
-        reward_model = row["reward_model"]
+        reward_model = row["reward_model"] if "reward_model" in row else row["reward_spec"]
         truth = reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
         target = truth.get("target") if isinstance(truth, Mapping) else truth
         if isinstance(target, str | int | float):
@@ -89,8 +93,8 @@ class Task:
             answers = ()
         if not answers:
             raise ValueError(
-                f"row {index}: reward_model.ground_truth must be an answer, a list of answers or "
-                "{'target': [answers]}"
+                f"row {index}: reward_model.ground_truth (or reward_spec.ground_truth) must be an answer, a "
+                "list of answers or {'target': [answers]}"
             )
         extra = row.get("extra_info")
         extra = extra if isinstance(extra, Mapping) else {}
@@ -132,7 +136,18 @@ def _messages(prompt: Any, index: int) -> list[dict[str, str]]:
 
 def load_tasks(source: str | Path, split: str = "train") -> list[Task]:
     """Tasks from a .jsonl or .parquet file, a shipped set's name (e.g. `codemath-val`), or a Hugging
-    Face dataset name (needs the `datasets` package and a reachable hub, or a local dataset path)."""
+    Face dataset name (needs the `datasets` package and a reachable hub, or a local dataset path); a
+    `bfcl:` name is a BFCL multi-turn set from bfcl-eval (`pacerl.envs.bfcl_backends.named_bfcl_tasks`); a
+    `reasoning_gym:<dataset>[,<dataset>...][?size=N&seed=S&...]` source generates reasoning-gym's tasks
+    (`pacerl.envs.reasoning_gym`)."""
+    if str(source).startswith("bfcl:"):
+        from pacerl.envs.bfcl_backends import named_bfcl_tasks  # imported late: bfcl-eval is optional
+
+        return named_bfcl_tasks(str(source))
+    if str(source).startswith("reasoning_gym:"):
+        from pacerl.envs.reasoning_gym import reasoning_gym_tasks  # imported late: reasoning-gym is optional
+
+        return reasoning_gym_tasks(str(source))
     path = Path(source)
     shipped = DATA_DIR / f"{source}.jsonl"
     if not path.exists() and shipped.exists():
