@@ -18,7 +18,13 @@ from pacerl.envs.spaces import ChatMessages, Message, UnicodeText
 from pacerl.envs.tasks import Task, load_tasks
 from pacerl.envs.tools import TOOLS, SandboxPolicy, Tool, ToolContext, ToolError, get_tool, tool
 
-ENV_IDS = ("pacerl/CodeMath-v0", "pacerl/Search-v0", "pacerl/Math-v0", "pacerl/SearchR1-v0")
+ENV_IDS = (
+    "pacerl/CodeMath-v0",
+    "pacerl/Search-v0",
+    "pacerl/Math-v0",
+    "pacerl/SearchR1-v0",
+    "pacerl/BFCL-MultiTurn-v0",
+)
 """Every environment this package registers (a user's module registers its own: `env_class`)."""
 
 for _env_id, _entry_point in zip(
@@ -28,6 +34,7 @@ for _env_id, _entry_point in zip(
         "pacerl.envs.search:SearchEnv",
         "pacerl.envs.math:MathEnv",
         "pacerl.envs.search:SearchR1Env",
+        "pacerl.envs.bfcl:BFCLMultiTurnEnv",
     ),
     strict=True,
 ):

@@ -34,6 +34,13 @@ Default sampling (`Benchmark.eval_settings`, `EvalConfig` fields): AIME avg@32 a
 (DeepSeek-R1's protocol; pass@1 and pass@32 reported), MATH-500 avg@4 at 0.6, GSM8K greedy, the QA
 sets greedy exact match with Search-R1's limits (500 new tokens a turn, 4,096 in all, each turn cut at
 `</search>`/`</answer>`). The math sets' token budgets are the model's business (the caller's config).
+
+BFCL v4 multi-turn (`bfcl-multi-turn`: multi_turn_base, multi_turn_miss_func, multi_turn_miss_param,
+multi_turn_long_context, 200 entries each) is shipped by the `bfcl-eval` package (`pip install --no-deps
+bfcl-eval==2026.3.23`): nothing to download or mirror. Greedy, 2,048 new tokens a message, 32,768 tokens
+an episode (65,536 for long_context), the tool schemas in the prompt; scored by
+`pacerl/BFCL-MultiTurn-v0` with BFCL's multi-turn checks. The suite's `Avg.` is BFCL's "Multi Turn
+Overall Acc": the unweighted mean of the four categories (its `calculate_unweighted_accuracy`).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pacerl.envs.bfcl_backends import bfcl_tasks
 from pacerl.envs.search import SEARCH_R1_STOP, search_r1_question
 from pacerl.envs.tasks import Task
 
@@ -191,6 +199,22 @@ _QA_SPLITS = {
     "bamboogle": ("Bamboogle", "test"),
 }
 
+_BFCL_EVAL = {"samples": 1, "temperature": 0.0, "max_new_tokens": 2048, "tool_schemas_in_prompt": True}
+_BFCL_CATEGORIES = {  # BFCL's multi-turn columns and each category's context budget
+    "multi_turn_base": ("Base", 32_768),
+    "multi_turn_miss_func": ("Miss Func", 32_768),
+    "multi_turn_miss_param": ("Miss Param", 32_768),
+    "multi_turn_long_context": ("Long Context", 65_536),
+}
+
+
+def _bfcl_loader(category: str) -> Callable[[], list[Task]]:
+    def load() -> list[Task]:
+        return bfcl_tasks([category])
+
+    return load
+
+
 BENCHMARKS: dict[str, Benchmark] = {
     "aime24": Benchmark(
         "aime24", "AIME24", "HuggingFaceH4/aime_2024", (None,), "train", aime24_task, "pacerl/Math-v0",
@@ -214,6 +238,14 @@ BENCHMARKS: dict[str, Benchmark] = {
         )
         for name, (title, split) in _QA_SPLITS.items()
     },
+    **{
+        name: Benchmark(
+            name, title, "bfcl-eval", (f"BFCL_v4_{name}.json",), "test", Task.from_row,
+            "pacerl/BFCL-MultiTurn-v0", {**_BFCL_EVAL, "max_total_tokens": budget},
+            shipped=_bfcl_loader(name),
+        )
+        for name, (title, budget) in _BFCL_CATEGORIES.items()
+    },
 }  # fmt: skip
 """Every named benchmark."""
 
@@ -222,6 +254,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "aime": ("aime24", "aime25"),
     "search-r1": ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"),
     "nq-hotpotqa": ("nq", "hotpotqa"),
+    "bfcl-multi-turn": tuple(_BFCL_CATEGORIES),
 }
 """Named suites, in the column order of the papers' tables (`search-r1`: Search-R1's Table 2)."""
 

@@ -8,7 +8,9 @@ episodes are played here:
 
 A server without a tool-call parser answers with the calls in its text; the env parses them from the
 text as it would a local model's, and their observations go back as one user turn of
-`<tool_response>` blocks (the convention of Hermes/Qwen chat templates).
+`<tool_response>` blocks (the convention of Hermes/Qwen chat templates). An observation of `role: user`
+messages (a multi-turn env's next user turn, BFCL's) goes back as those messages, as they are; the
+env's tools are asked for before each request, so a tool it adds mid-episode is offered from then on.
 
 An env whose observations continue the assistant's text (`inline_observations`: Search-R1's
 `pacerl/SearchR1-v0`) is played as the rollout driver plays it locally: each request carries the env's
@@ -112,7 +114,6 @@ async def play_episode(
     """One episode of `task` on `env` with the served model; always returns a finished record."""
     observation, _ = env.reset(options={"task": task})
     episode = ServedEpisode(episode_id, task.id, Status.RUNNING, messages=[dict(m) for m in observation])
-    tools = [_openai_tool(schema) for schema in env.tool_schemas()] if client.options.tools else []
     stops = served_stop_strings(client.options, env)
     inline = bool(getattr(env, "inline_observations", False))
     while True:
@@ -121,6 +122,8 @@ async def play_episode(
             return _end(episode, Status.TRUNCATED, "context budget exhausted", 0.0)
         seed = zlib.crc32(f"{config.seed}/{episode_id}/{episode.turns}".encode()) & 0x7FFFFFFF
         continuing = inline and episode.messages[-1]["role"] == "assistant"
+        # Asked each request: an env may offer more tools as the episode goes (BFCL's miss_func turns).
+        tools = [_openai_tool(schema) for schema in env.tool_schemas()] if client.options.tools else []
         try:
             answer = await client.complete(
                 episode.messages,
@@ -153,7 +156,9 @@ async def play_episode(
             status = Status.COMPLETED if terminated else Status.TRUNCATED
             reason = "" if terminated else str(info.get("truncation_reason") or "truncated")
             return _end(episode, status, reason, float(reward))
-        if inline:  # the observation continues the assistant's text, as the rollout driver appends it
+        if observation and all(m["role"] == "user" for m in observation):  # the user's next turn (BFCL)
+            episode.messages += [dict(m) for m in observation]
+        elif inline:  # the observation continues the assistant's text, as the rollout driver appends it
             episode.messages[-1]["content"] += "".join(m["content"] for m in observation)
         elif answer.tool_calls:
             episode.messages += _tool_messages(env, action, spans, answer.tool_calls, observation)
