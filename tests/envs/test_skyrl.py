@@ -180,3 +180,37 @@ async def test_episodes_step_concurrently_on_the_loop(tasks: list[Task]) -> None
     assert [result[1:3] for result in results] == [(1.0, True)] * 8
     for env in envs:
         env.close()
+
+
+USER_SKYRL_MODULE = """
+from skyrl_gym import register
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+
+class EchoEnv(BaseTextEnv):
+    def __init__(self, env_config=None, extras=None):
+        super().__init__()
+        self.truth = extras["reward_spec"]["ground_truth"]
+
+    def step(self, action):
+        reward = float(action == self.truth)
+        return BaseTextEnvStepOutput(observations=[], reward=reward, done=True, metadata={})
+
+
+register(id="pacerl_test_echo", entry_point=EchoEnv)
+"""
+
+
+def test_a_users_module_registering_a_skyrl_env_is_named_module_colon_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "user_skyrl_echo.py").write_text(USER_SKYRL_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        env = env_class("user_skyrl_echo:skyrl-gym/pacerl_test_echo")(tasks=[Task("e1", "Say 7", ("7",))])
+        observation, _ = env.reset(seed=0)
+        assert observation == ({"role": "user", "content": "Say 7"},)  # pacerl's schema: the question
+        assert env.step("7")[1:3] == (1.0, True)
+        env.close()
+    finally:
+        skyrl_gym.envs.registration.deregister("pacerl_test_echo")
