@@ -24,6 +24,7 @@ ENV_IDS = (
     "pacerl/Math-v0",
     "pacerl/SearchR1-v0",
     "pacerl/BFCL-MultiTurn-v0",
+    "pacerl/ReasoningGym-v0",
 )
 """Every environment this package registers (a user's module registers its own: `env_class`)."""
 
@@ -35,6 +36,7 @@ for _env_id, _entry_point in zip(
         "pacerl.envs.math:MathEnv",
         "pacerl.envs.search:SearchR1Env",
         "pacerl.envs.bfcl:BFCLMultiTurnEnv",
+        "pacerl.envs.reasoning_gym:ReasoningGymEnv",
     ),
     strict=True,
 ):

@@ -9,7 +9,8 @@ What training and evaluation ask of an env class, every part optional (the rest 
 no env; a user's env registered as `their_module:Name-v0` gets the same treatment as the shipped ones):
 
 - `default_config()`: the `ToolEnvConfig` a run starts from before it sets the episode limits;
-- `validation_tasks`: the shipped validation set `pacerl eval` and a run's evaluations use by default;
+- `validation_tasks`: the shipped validation set `pacerl eval` and a run's evaluations use by default
+  (`validation_tasks_for(training tasks)`: one that follows the training tasks);
 - `extra_validation_tasks`: named validation sets a run's evaluations report separately (held-out forms);
 - `warm_start_steps` and `demonstration(task, style, rng)`: the demonstration styles the env writes,
   with their default SFT steps, and the turns of one demonstration (none: no warm start);
@@ -167,6 +168,13 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
         if isinstance(fields.get("tool_formats"), list):  # a list from a JSON or TOML config
             fields["tool_formats"] = tuple(fields["tool_formats"])
         return dataclasses.replace(base, **fields) if fields else base
+
+    @classmethod
+    def validation_tasks_for(cls, training_tasks: str | None) -> str | None:
+        """The validation set of a run that trains on `training_tasks` (its `env.tasks`; None: the
+        env's default): `validation_tasks` unless the env evaluates what it trains on (ReasoningGym-v0:
+        the training datasets at the evaluation seed)."""
+        return cls.validation_tasks
 
     @classmethod
     def services(cls, settings: Mapping[str, Any]) -> contextlib.AbstractContextManager[Mapping[str, Any]]:

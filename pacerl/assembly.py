@@ -301,7 +301,8 @@ def held_out_of_training(config: RunConfig, tasks: Sequence[Task]) -> tuple[list
     the run's seed (`pacerl.envs.tasks.hold_out`), said in the log; else None)."""
     evaluates = config.evaluation.every or config.evaluation.at_start or config.evaluation.at_end
     cls = env_class(config.env.id)
-    if not evaluates or config.evaluation.tasks is not None or cls.validation_tasks is not None:
+    shipped = cls.validation_tasks_for(config.env.tasks)
+    if not evaluates or config.evaluation.tasks is not None or shipped is not None:
         return list(tasks), None
     try:
         kept, held = hold_out(tasks, config.seed)
@@ -333,7 +334,7 @@ def background_evaluator(
     `held_out_of_training` kept back) and the further named sets (`evaluation.extra_tasks`, else the
     env's `extra_validation_tasks`)."""
     cls = env_class(config.env.id)
-    source = config.evaluation.tasks or cls.validation_tasks
+    source = config.evaluation.tasks or cls.validation_tasks_for(config.env.tasks)
     named = config.evaluation.extra_tasks
     extra = cls.extra_validation_tasks if named is None else named
     if source is None and held_out is None:

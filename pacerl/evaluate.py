@@ -211,7 +211,8 @@ def _run_env(config: RunConfig, subject: str, keep: Callable[[Sequence[dict[str,
         cls = env_class(spec.id)
     except ValueError as error:
         raise ConfigError(f"--env: {error}") from None
-    source = config.evaluation.tasks if config.evaluation.tasks is not None else cls.validation_tasks
+    source = config.evaluation.tasks
+    source = source if source is not None else cls.validation_tasks_for(spec.tasks)
     if source is not None:
         config = replace(config, env=replace(spec, tasks=source))
         make_env = env_factory(config)  # a bad env or task set fails here, before the model loads

@@ -45,6 +45,7 @@ Overall Acc": the unweighted mean of the four categories (its `calculate_unweigh
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,8 +53,9 @@ from pathlib import Path
 from typing import Any
 
 from pacerl.envs.bfcl_backends import bfcl_tasks
+from pacerl.envs.reasoning_gym import suite_sources
 from pacerl.envs.search import SEARCH_R1_STOP, search_r1_question
-from pacerl.envs.tasks import Task
+from pacerl.envs.tasks import Task, load_tasks
 
 MIRROR_ENV = "PACERL_BENCHMARK_DIR"
 """Environment variable naming a local mirror directory: `<dir>/<benchmark>.parquet` (or `.jsonl`,
@@ -262,6 +264,23 @@ SUITES: dict[str, tuple[str, ...]] = {
 SUITE_FAMILIES: dict[str, Callable[[str], tuple[Benchmark, ...]]] = {}
 """Suites named with arguments, `family:arguments` (`reasoning-gym:basic_arithmetic,leg_counting`): the
 family's function builds the benchmarks from the arguments; a module registers its family at import."""
+
+
+def reasoning_gym_benchmarks(arguments: str) -> tuple[Benchmark, ...]:
+    """The `reasoning-gym` family, `reasoning-gym:d1,d2[?size=N]`: one benchmark per reasoning-gym
+    dataset, its N tasks (default 50) generated at the seed reserved for evaluation (never a training
+    one: `pacerl.envs.reasoning_gym`), scored greedily in pacerl/ReasoningGym-v0 by the dataset's own
+    `score_answer`."""
+    return tuple(
+        Benchmark(
+            name, name, source, (None,), "eval", Task.from_row, "pacerl/ReasoningGym-v0",
+            {"samples": 1, "temperature": 0.0}, shipped=functools.partial(load_tasks, source),
+        )
+        for name, source in suite_sources(arguments).items()
+    )  # fmt: skip
+
+
+SUITE_FAMILIES["reasoning-gym"] = reasoning_gym_benchmarks
 
 
 def get_benchmark(benchmark: str | Benchmark) -> Benchmark:
