@@ -335,7 +335,12 @@ class ReasoningGymEnv(ToolEnv):
         if not is_reasoning_gym_source(training_tasks):
             return cls.validation_tasks
         assert training_tasks is not None
-        return ReasoningGymSource.parse(training_tasks).evaluation().text()
+        training = ReasoningGymSource.parse(training_tasks)
+        if training.split == "eval":
+            log.warning(
+                "env.tasks %s is an evaluation set: the run trains on what it evaluates on", training_tasks
+            )
+        return training.evaluation().text()
 
     def initial_messages(self, task: Task) -> list[Message]:
         return self.pose(SYSTEM_PROMPT, task.question)

@@ -5,6 +5,7 @@ evaluation sets, and rewards from each dataset's own scorer."""
 from __future__ import annotations
 
 import json
+import logging
 
 import gymnasium
 import pytest
@@ -110,7 +111,9 @@ def test_a_generator_that_repeats_questions_loses_them_from_training_not_from_ev
     assert {t.id for t in training} <= {f"basic_arithmetic-0-{i}" for i in range(300)}
 
 
-def test_validation_follows_the_training_datasets_at_the_reserved_seed() -> None:
+def test_validation_follows_the_training_datasets_at_the_reserved_seed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     assert ReasoningGymEnv.validation_tasks == "reasoning_gym:basic_arithmetic?split=eval&size=50"
     assert ReasoningGymEnv.validation_tasks_for(None) == ReasoningGymEnv.validation_tasks
     assert ReasoningGymEnv.validation_tasks_for("codemath-train") == ReasoningGymEnv.validation_tasks
@@ -119,6 +122,9 @@ def test_validation_follows_the_training_datasets_at_the_reserved_seed() -> None
     options = ReasoningGymEnv.validation_tasks_for("reasoning_gym:basic_arithmetic?max_terms=3&seed=2")
     assert options == "reasoning_gym:basic_arithmetic?split=eval&size=50&max_terms=3"
     assert all(t.id.startswith(f"basic_arithmetic-{EVALUATION_SEED}-") for t in load_tasks(options))
+    with caplog.at_level(logging.WARNING, logger="pacerl.envs.reasoning_gym"):
+        ReasoningGymEnv.validation_tasks_for("reasoning_gym:leg_counting?split=eval")
+    assert "is an evaluation set: the run trains on what it evaluates on" in caplog.text
 
 
 def test_the_suites_sources_are_evaluation_sets() -> None:
