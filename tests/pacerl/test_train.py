@@ -150,8 +150,10 @@ def test_sigkill_and_resume_lose_no_trajectory_and_train_none_twice(
     assert {g for g, count in by_group.items() if count == 4} | pending == started
     assert not set(by_group) & pending
     assert all(count == 4 for count in by_group.values())
-    # Records caught mid-episode by the checkpoint were resumed under their ids, not restarted.
-    assert state["driver_counts"].get("resumed_from_checkpoint", 0) >= len(running) > 0
+    # Records caught mid-episode by the checkpoint were resumed under their ids, not restarted. Whether the
+    # kill finds any mid-episode depends on the scheduler (a loaded machine can finish every episode of the
+    # saved step first); tests/agents/test_rollout.py resumes one deterministically.
+    assert state["driver_counts"].get("resumed_from_checkpoint", 0) >= len(running)
 
 
 @pytest.mark.slow
