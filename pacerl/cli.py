@@ -242,8 +242,8 @@ def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument(
         "--env",
         metavar="ID",
-        help=f"a registered env id ({', '.join(ENV_IDS)}) or module:Name-v0 for an env your module "
-        "registers (env.id)",
+        help=f"a registered env id ({', '.join(ENV_IDS)}), module:Name-v0 for an env your module "
+        "registers, or skyrl-gym/NAME for a skyrl-gym env (env.id)",
     )
     parser.add_argument(
         "--n", type=int, metavar="K", help=f"episodes sampled per task (default {defaults.samples})"
@@ -271,8 +271,10 @@ def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument(
         "--suite",
         metavar="NAME",
-        help="evaluate a benchmark suite (math, aime, search-r1, nq-hotpotqa) or one benchmark (aime24, "
-        "math500, gsm8k, nq, ...): avg@k and pass@k per benchmark and their average",
+        help="evaluate a benchmark suite (math, aime, search-r1, nq-hotpotqa, bfcl-multi-turn), one "
+        "benchmark (aime24, math500, gsm8k, nq, multi_turn_base, ...) or a family with arguments "
+        "(reasoning-gym:basic_arithmetic,leg_counting): avg@k, pass@k and maj@k per benchmark and their "
+        "average",
     )
     parser.add_argument(
         "--suite-dir",

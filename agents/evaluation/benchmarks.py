@@ -48,11 +48,11 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pacerl.envs.bfcl_backends import bfcl_tasks
+from pacerl.envs.bfcl_backends import bfcl_tasks, named_bfcl_tasks
 from pacerl.envs.reasoning_gym import suite_sources
 from pacerl.envs.search import SEARCH_R1_STOP, search_r1_question
 from pacerl.envs.tasks import Task, load_tasks
@@ -281,6 +281,23 @@ def reasoning_gym_benchmarks(arguments: str) -> tuple[Benchmark, ...]:
 
 
 SUITE_FAMILIES["reasoning-gym"] = reasoning_gym_benchmarks
+
+
+def bfcl_part_benchmarks(part: str) -> tuple[Benchmark, ...]:
+    """The `bfcl-multi-turn` family, `bfcl-multi-turn:eval` (or `:train`): BFCL's four multi-turn columns
+    on one side of the env's split (`bfcl_split`), so that a model trained on `bfcl:multi_turn/train`
+    (BFCL-MultiTurn-v0's default) is scored on entries it never saw; the plain `bfcl-multi-turn` suite
+    scores all 800, as the leaderboard does."""
+    if part not in ("train", "eval"):
+        raise ValueError(f"bfcl-multi-turn:{part}: the part is train or eval")
+
+    def benchmark(name: str) -> Benchmark:
+        return replace(BENCHMARKS[name], shipped=lambda: named_bfcl_tasks(f"bfcl:{name}/{part}"))
+
+    return tuple(benchmark(name) for name in _BFCL_CATEGORIES)
+
+
+SUITE_FAMILIES["bfcl-multi-turn"] = bfcl_part_benchmarks
 
 
 def get_benchmark(benchmark: str | Benchmark) -> Benchmark:

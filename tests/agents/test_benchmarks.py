@@ -32,7 +32,7 @@ from pacerl.agents.evaluation.report import EvalReport
 from pacerl.agents.evaluation.scores import majority_correct
 from pacerl.agents.evaluation.suites import benchmark_eval_config, run_suite, suite_markdown
 from pacerl.agents.tokenizer import tiny_tokenizer
-from pacerl.envs import Task
+from pacerl.envs import Task, load_tasks
 from pacerl.envs.registry import env_class
 from tests.scripted import ScriptedEngineBase
 
@@ -103,7 +103,8 @@ def test_registry_names_every_benchmark_the_issue_asks_for() -> None:
         suite_benchmarks("mmlu")
 
 
-@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+# Benchmarks a package ships (BFCL's) read no fixture: tests/envs/test_bfcl.py scores them.
+@pytest.mark.parametrize("name", sorted(name for name, b in BENCHMARKS.items() if b.shipped is None))
 def test_each_benchmark_loads_from_its_fixture_and_is_scored_by_its_env(name: str) -> None:
     benchmark = BENCHMARKS[name]
     tasks = load_benchmark(name, mirror=FIXTURES)
@@ -408,3 +409,22 @@ def test_without_datasets_a_local_copy_is_refused_saying_what_to_install() -> No
         "ValueError: benchmark 'gsm8k' is read through `datasets`, which is not installed "
         "(pip install datasets)"
     )
+
+
+def test_the_bfcl_family_scores_one_side_of_the_envs_split() -> None:
+    """`bfcl-multi-turn:eval` holds exactly the entries BFCL-MultiTurn-v0's default training set leaves
+    out, in BFCL's four columns; together the two parts are the whole suite."""
+    held = suite_benchmarks("bfcl-multi-turn:eval")
+    trained = suite_benchmarks("bfcl-multi-turn:train")
+    whole = suite_benchmarks("bfcl-multi-turn")
+    assert [b.name for b in held] == [b.name for b in whole] == [b.name for b in trained]
+    for part_held, part_trained, full in zip(held, trained, whole, strict=True):
+        held_ids = {t.id for t in load_benchmark(part_held)}
+        trained_ids = {t.id for t in load_benchmark(part_trained)}
+        assert held_ids and not held_ids & trained_ids
+        assert held_ids | trained_ids == {t.id for t in load_benchmark(full)}
+    assert not {t.id for t in load_tasks("bfcl:multi_turn/train")} & {
+        t.id for b in held for t in load_benchmark(b)
+    }
+    with pytest.raises(ValueError, match="the part is train or eval"):
+        suite_benchmarks("bfcl-multi-turn:test")
