@@ -26,6 +26,7 @@ import difflib
 import functools
 import json
 import logging
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -317,6 +318,10 @@ class ReasoningGymEnv(ToolEnv):
 
     tool_names = ("python",)
     validation_tasks = f"{DEFAULT_TASKS}?split=eval&size={EVALUATION_SIZE}"
+    # One style for every dataset: the answer, in the tags the scorer reads. It teaches the format, not
+    # the skill (reasoning-gym has no worked solutions): a pretrained model that never writes `<answer>`
+    # scores 0 on every sample, and RL has no signal until it does (docs/real-model.md).
+    warm_start_steps = {"answer": 30}  # noqa: RUF012 (a ClassVar of the base)
 
     def __init__(
         self,
@@ -351,3 +356,9 @@ class ReasoningGymEnv(ToolEnv):
     def final_answer(self, final_message: str) -> str | None:
         """The answer `score` judges: the last `<answer>`'s content (for maj@k's vote)."""
         return extract_answer(final_message)
+
+    def demonstration(self, task: Task, style: str, rng: random.Random) -> list[Message]:
+        """`answer`: the task's answer between `<answer>` tags, with no tool call."""
+        if style != "answer":
+            raise ValueError(f"{type(self).__name__} writes answer demonstrations, not {style!r}")
+        return [{"role": "assistant", "content": f"<answer>{task.answer}</answer>"}]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 
 import gymnasium
 import pytest
@@ -186,3 +187,21 @@ def test_tasks_survive_a_checkpoint_round_trip_and_score_the_same() -> None:
 def test_a_task_without_an_entry_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="holds no reasoning-gym entry"):
         score_answer(Task("t", "What is 2 + 2?", ("4",)), "4")
+
+
+@pytest.mark.parametrize("dataset", ["basic_arithmetic", "leg_counting", "letter_counting"])
+def test_an_answer_demonstration_scores_full_marks_and_makes_no_call(dataset: str) -> None:
+    """The warm start's one style: the dataset's answer between the tags its scorer reads, so SFT
+    teaches the format a pretrained model lacks; any other style is refused."""
+    tasks = load_tasks(f"reasoning_gym:{dataset}?size=20&seed=5")
+    env = ReasoningGymEnv(tasks=tasks)
+    try:
+        assert dict(ReasoningGymEnv.warm_start_steps) == {"answer": 30}
+        for task in tasks:
+            (turn,) = env.demonstration(task, "answer", random.Random(0))
+            assert turn["role"] == "assistant" and not env.parse(turn["content"]).attempted
+            assert env.score(task, turn["content"]).total == 1.0, (task.id, turn)
+        with pytest.raises(ValueError, match="writes answer demonstrations, not 'teacher'"):
+            env.demonstration(tasks[0], "teacher", random.Random(0))
+    finally:
+        env.close()
