@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = str(ROOT / "tests" / "fixtures" / "skyrl" / "gsm8k.parquet")
 
 
-def cli(*arguments: str) -> subprocess.CompletedProcess[str]:
-    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+def cli(*arguments: str, path: Path | None = None) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT, path) if p)}
     return subprocess.run(
         [sys.executable, "-m", "pacerl", *arguments],
         cwd=ROOT,
@@ -59,3 +59,41 @@ def test_the_cli_trains_and_evaluates_a_skyrl_gym_env(tmp_path: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 1 and summary["evaluations"][-1]["step"] == 1
     assert summary["evaluations"][-1]["eval/accuracy"] == 0.0
+
+
+PARITY_MODULE = """
+from skyrl_gym import register
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+
+class ParityEnv(BaseTextEnv):
+    \"\"\"One turn, reward 1 for an answer of even length: a random model's samples differ in it.\"\"\"
+
+    def __init__(self, env_config=None, extras=None):
+        super().__init__()
+
+    def step(self, action):
+        even = float(len(action) % 2 == 0)
+        return BaseTextEnvStepOutput(observations=[], reward=even, done=True, metadata={})
+
+
+register(id="pacerl_parity", entry_point=ParityEnv)
+"""
+
+
+@pytest.mark.slow
+def test_the_cli_updates_the_policy_on_a_users_skyrl_gym_env(tmp_path: Path) -> None:
+    """A skyrl-gym env from a user's module (`module:skyrl-gym/NAME`), untouched, whose rewards differ
+    within a group even for a random model: the run's steps update the weights."""
+    (tmp_path / "user_parity.py").write_text(PARITY_MODULE)
+    run_dir = tmp_path / "run"
+    settings = [
+        "env.id=user_parity:skyrl-gym/pacerl_parity", f"env.tasks={FIXTURE}", f"run_dir={run_dir}",
+        "loop.steps=2", "loop.batch_groups=2", "rollout.group_size=8", "filter.pace.target_groups=2",
+        "filter.max_concurrent_groups=2", "evaluation.every=0", "evaluation.at_start=false",
+        "sft.when=never",
+    ]  # fmt: skip
+    trained = cli("train", *settings, path=tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 2 and summary["updated_steps"] >= 1, summary
