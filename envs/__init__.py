@@ -25,6 +25,7 @@ ENV_IDS = (
     "pacerl/SearchR1-v0",
     "pacerl/BFCL-MultiTurn-v0",
     "pacerl/ReasoningGym-v0",
+    "pacerl/BFCL-AST-v0",
 )
 """Every environment this package registers (a user's module registers its own: `env_class`)."""
 
@@ -37,6 +38,7 @@ for _env_id, _entry_point in zip(
         "pacerl.envs.search:SearchR1Env",
         "pacerl.envs.bfcl:BFCLMultiTurnEnv",
         "pacerl.envs.reasoning_gym:ReasoningGymEnv",
+        "pacerl.envs.bfcl_ast:BFCLASTEnv",
     ),
     strict=True,
 ):

@@ -10,6 +10,8 @@ from typing import Any
 from pacerl.envs.base import ToolEnv, ToolEnvConfig
 from pacerl.envs.bfcl_backends import (
     ADDED_FUNCTIONS_NOTE,
+    BFCL_INSTRUCTION,
+    CALL_FORMAT,
     ERROR_PREFIX,
     STEP_LIMIT,
     Backends,
@@ -26,12 +28,7 @@ from pacerl.envs.spaces import Message
 from pacerl.envs.tasks import Task, load_tasks
 
 SYSTEM_PROMPT = (
-    "You are an expert in composing functions. You are given a question and a set of possible functions. "
-    "Based on the question, you will need to make one or more function/tool calls to achieve the purpose. "
-    "If none of the functions can be used, point it out. If the given question lacks the parameters "
-    "required by the function, also point it out.\n\n"
-    'Call a function as <tool_call>{"name": "func_name", "arguments": {"param": "value"}}</tool_call>; '
-    "its result comes back to you.\n\n"
+    f"{BFCL_INSTRUCTION}\n\n{CALL_FORMAT}; its result comes back to you.\n\n"
     "At each turn, you should try your best to complete the tasks requested by the user within the "
     "current turn. Continue to output functions to call until you have fulfilled the user's request to "
     "the best of your ability. Once you have no more functions to call, the system will consider the "

@@ -41,6 +41,17 @@ ERROR_PREFIX = "Error during execution: "
 STEP_LIMIT = 20
 """Messages with calls allowed in one user turn before BFCL forces the model to quit
 (`MAXIMUM_STEP_LIMIT`: the call past it still runs, then the entry fails unless it was the last turn)."""
+BFCL_INSTRUCTION = (
+    "You are an expert in composing functions. You are given a question and a set of possible functions. "
+    "Based on the question, you will need to make one or more function/tool calls to achieve the purpose. "
+    "If none of the functions can be used, point it out. If the given question lacks the parameters "
+    "required by the function, also point it out."
+)
+"""The opening of BFCL's system prompt (its `classic` prompt style), shared by the BFCL envs."""
+CALL_FORMAT = (
+    'Call a function as <tool_call>{"name": "func_name", "arguments": {"param": "value"}}</tool_call>'
+)
+"""How the BFCL envs ask for calls (pacerl's Hermes format, not BFCL's Python-syntax list)."""
 ADDED_FUNCTIONS_NOTE = "I have updated some more functions you can choose from. What about now?"
 """BFCL's user message of a miss_func turn (`DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC`)."""
 
@@ -53,11 +64,13 @@ def bfcl_module(name: str = "bfcl_eval") -> ModuleType:
         raise ImportError(f"the BFCL env needs bfcl-eval ({INSTALL}): {error}") from None
 
 
-def _data_dir() -> Path:
+def data_dir() -> Path:
+    """bfcl-eval's data folder (the entries, `possible_answer/`, `multi_turn_func_doc/`)."""
     return Path(str(bfcl_module().__file__)).parent / "data"
 
 
-def _json_lines(path: Path) -> list[dict[str, Any]]:
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The rows of one of BFCL's JSON-lines files."""
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
@@ -66,7 +79,7 @@ def function_docs(class_name: str) -> tuple[dict[str, Any], ...]:
     """The BFCL function docs (`multi_turn_func_doc`) of one backend class."""
     config = bfcl_module("bfcl_eval.constants.executable_backend_config")
     return tuple(
-        _json_lines(_data_dir() / "multi_turn_func_doc" / config.MULTI_TURN_FUNC_DOC_FILE_MAPPING[class_name])
+        json_lines(data_dir() / "multi_turn_func_doc" / config.MULTI_TURN_FUNC_DOC_FILE_MAPPING[class_name])
     )
 
 
@@ -74,11 +87,11 @@ def function_docs(class_name: str) -> tuple[dict[str, Any], ...]:
 def _category_tasks(category: str) -> tuple[Task, ...]:
     if category not in CATEGORIES:
         raise ValueError(f"no BFCL multi-turn category {category!r}; categories: {', '.join(CATEGORIES)}")
-    data = _data_dir()
-    entries = _json_lines(data / f"BFCL_v4_{category}.json")
+    data = data_dir()
+    entries = json_lines(data / f"BFCL_v4_{category}.json")
     answers = {
         row["id"]: row["ground_truth"]
-        for row in _json_lines(data / "possible_answer" / f"BFCL_v4_{category}.json")
+        for row in json_lines(data / "possible_answer" / f"BFCL_v4_{category}.json")
     }
     tasks = []
     for entry in entries:
@@ -127,11 +140,18 @@ def bfcl_split(
 
 def named_bfcl_tasks(name: str) -> list[Task]:
     """Tasks by name: `bfcl:multi_turn` (the four categories), `bfcl:multi_turn_base` or a comma list
-    of categories, each optionally ending in `/train` or `/eval` (`bfcl_split`'s default halves)."""
+    of categories, or the single-turn ones (`bfcl:ast`, `bfcl:simple_python`, ...: `ast_tasks`), each
+    optionally ending in `/train` or `/eval` (`bfcl_split`'s default halves)."""
     body = name.removeprefix("bfcl:")
     body, _, part = body.partition("/")
     categories = CATEGORIES if body in ("", "multi_turn") else tuple(c.strip() for c in body.split(","))
-    tasks = bfcl_tasks(categories)
+    # imported here: the AST env's module imports this one
+    from pacerl.envs.bfcl_ast import AST_CATEGORIES, ast_tasks
+
+    if body == "ast":
+        categories = AST_CATEGORIES
+    single_turn = set(categories) <= set(AST_CATEGORIES)
+    tasks = ast_tasks(categories) if single_turn else bfcl_tasks(categories)
     if part == "":
         return tasks
     if part not in ("train", "eval"):

@@ -41,6 +41,13 @@ bfcl-eval==2026.3.23`): nothing to download or mirror. Greedy, 2,048 new tokens 
 an episode (65,536 for long_context), the tool schemas in the prompt; scored by
 `pacerl/BFCL-MultiTurn-v0` with BFCL's multi-turn checks. The suite's `Avg.` is BFCL's "Multi Turn
 Overall Acc": the unweighted mean of the four categories (its `calculate_unweighted_accuracy`).
+
+BFCL v4's single-turn AST categories (`bfcl`: simple_python 400 entries, multiple, parallel,
+parallel_multiple 200 each, irrelevance 240), shipped by bfcl-eval too: greedy, 2,048 new tokens, the
+entry's functions as the prompt's tools; scored by `pacerl/BFCL-AST-v0` with BFCL's AST match. The
+suite's `Avg.` (the mean of the five columns) is not a BFCL figure: BFCL's "Non-Live AST" is the
+unweighted mean of simple, multiple, parallel and parallel_multiple, its simple being the mean of
+simple_python, simple_java and simple_javascript (not in this suite), and it reports irrelevance apart.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pacerl.envs.bfcl_backends import bfcl_tasks, named_bfcl_tasks
+from pacerl.envs.bfcl_backends import named_bfcl_tasks
 from pacerl.envs.reasoning_gym import suite_sources
 from pacerl.envs.search import SEARCH_R1_STOP, search_r1_question
 from pacerl.envs.tasks import Task, load_tasks
@@ -210,9 +217,18 @@ _BFCL_CATEGORIES = {  # BFCL's multi-turn columns and each category's context bu
 }
 
 
+_BFCL_AST_CATEGORIES = {  # BFCL's non-live single-turn Python columns
+    "simple_python": "Simple Python",
+    "multiple": "Multiple",
+    "parallel": "Parallel",
+    "parallel_multiple": "Parallel Multiple",
+    "irrelevance": "Irrelevance",
+}
+
+
 def _bfcl_loader(category: str) -> Callable[[], list[Task]]:
     def load() -> list[Task]:
-        return bfcl_tasks([category])
+        return named_bfcl_tasks(f"bfcl:{category}")
 
     return load
 
@@ -248,6 +264,13 @@ BENCHMARKS: dict[str, Benchmark] = {
         )
         for name, (title, budget) in _BFCL_CATEGORIES.items()
     },
+    **{
+        name: Benchmark(
+            name, title, "bfcl-eval", (f"BFCL_v4_{name}.json",), "test", Task.from_row, "pacerl/BFCL-AST-v0",
+            _BFCL_EVAL, shipped=_bfcl_loader(name),
+        )
+        for name, title in _BFCL_AST_CATEGORIES.items()
+    },
 }  # fmt: skip
 """Every named benchmark."""
 
@@ -257,6 +280,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "search-r1": ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"),
     "nq-hotpotqa": ("nq", "hotpotqa"),
     "bfcl-multi-turn": tuple(_BFCL_CATEGORIES),
+    "bfcl": tuple(_BFCL_AST_CATEGORIES),
 }
 """Named suites, in the column order of the papers' tables (`search-r1`: Search-R1's Table 2)."""
 
