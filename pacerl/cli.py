@@ -271,7 +271,7 @@ def add_eval_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument(
         "--suite",
         metavar="NAME",
-        help="evaluate a benchmark suite (math, aime, search-r1, nq-hotpotqa, bfcl-multi-turn), one "
+        help="evaluate a benchmark suite (math, aime, search-r1, nq-hotpotqa, bfcl, bfcl-multi-turn), one "
         "benchmark (aime24, math500, gsm8k, nq, multi_turn_base, ...) or a family with arguments "
         "(reasoning-gym:basic_arithmetic,leg_counting): avg@k, pass@k and maj@k per benchmark and their "
         "average",
