@@ -263,16 +263,8 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
 
     async def astep(self, action: str) -> tuple[tuple[Message, ...], float, bool, bool, dict[str, Any]]:
         """Take the assistant's message: run its tool calls, or end the episode on a final answer."""
-        if self._task is None or self._done:
-            raise RuntimeError("the episode has ended (or never began): call reset() first")
-        if not isinstance(action, str):
-            raise TypeError(f"an action is the assistant's message text (str), got {type(action).__name__}")
-        task = self._task
-        self._turns += 1
-        self._chars += len(action)
-        self._transcript.append({"role": "assistant", "content": action})
+        task, info = self._take_message(action)
         parsed = self.parse(action) if self.tools else Parsed()
-        info: dict[str, Any] = {"task_id": task.id, "turn": self._turns}
         if not parsed.attempted:  # no call: this is the final answer
             reward = self.score(task, action)
             self._done = True
@@ -293,6 +285,19 @@ class ToolEnv(gymnasium.Env[tuple[Message, ...], str]):
             await self._arelease_context()
         no_reward = Reward(0.0, 0.0, 0.0)
         return tuple(responses), 0.0, False, self._done, self._info(info, no_reward, step_errors, truncation)
+
+    def _take_message(self, action: str) -> tuple[Task, dict[str, Any]]:
+        """What every step does first, whatever it does next (an `astep` of a subclass too): refuse a step
+        outside an episode or an action that is no text, count the turn and its characters, keep the
+        message in the transcript; the episode's task and the step's first info."""
+        if self._task is None or self._done:
+            raise RuntimeError("the episode has ended (or never began): call reset() first")
+        if not isinstance(action, str):
+            raise TypeError(f"an action is the assistant's message text (str), got {type(action).__name__}")
+        self._turns += 1
+        self._chars += len(action)
+        self._transcript.append({"role": "assistant", "content": action})
+        return self._task, {"task_id": self._task.id, "turn": self._turns}
 
     async def _run_calls(self, parsed: Parsed) -> tuple[list[Message], list[str], str | None]:
         assert self._context is not None

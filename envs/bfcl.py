@@ -131,16 +131,11 @@ class BFCLMultiTurnEnv(ToolEnv):
 
     async def astep(self, action: str) -> tuple[tuple[Message, ...], float, bool, bool, dict[str, Any]]:
         """Run the message's calls, or end the user turn: pose the next one, or end the episode."""
-        if self._task is None or self._episode is None or self._done:
-            raise RuntimeError("the episode has ended (or never began): call reset() first")
-        if not isinstance(action, str):
-            raise TypeError(f"an action is the assistant's message text (str), got {type(action).__name__}")
+        _, info = self._take_message(action)
         episode = self._episode
-        self._turns += 1
-        self._chars += len(action)
-        self._transcript.append({"role": "assistant", "content": action})
+        assert episode is not None  # reset sets it with the task
         parsed = self.parse(action)
-        info: dict[str, Any] = {"task_id": self._task.id, "turn": self._turns, "user_turn": episode.turn}
+        info["user_turn"] = episode.turn
         truncation = None
         errors: list[str] = []
         if parsed.attempted:

@@ -307,14 +307,7 @@ class SearchR1Env(SearchEnv):
         return search_r1_reward(prompt + final_message, task.answers, self.config.format_weight)
 
     async def astep(self, action: str) -> tuple[tuple[Message, ...], float, bool, bool, dict[str, Any]]:
-        if self._task is None or self._done:
-            raise RuntimeError("the episode has ended (or never began): call reset() first")
-        if not isinstance(action, str):
-            raise TypeError(f"an action is the assistant's message text (str), got {type(action).__name__}")
-        self._turns += 1
-        self._chars += len(action)
-        self._transcript.append({"role": "assistant", "content": action})
-        info: dict[str, Any] = {"task_id": self._task.id, "turn": self._turns}
+        _, info = self._take_message(action)
         kind, content = search_r1_action(action)
         errors: list[str] = []
         truncation = "max_turns" if self._turns >= self.config.max_turns else None

@@ -193,14 +193,7 @@ class SkyRLGymEnv(ToolEnv):
 
     async def astep(self, action: str) -> tuple[tuple[Message, ...], float, bool, bool, dict[str, Any]]:
         """One skyrl `step` (on a worker thread: a skyrl env may block on its tools)."""
-        if self._task is None or self._done:
-            raise RuntimeError("the episode has ended (or never began): call reset() first")
-        if not isinstance(action, str):
-            raise TypeError(f"an action is the assistant's message text (str), got {type(action).__name__}")
-        self._turns += 1
-        self._chars += len(action)
-        self._transcript.append({"role": "assistant", "content": action})
-        info: dict[str, Any] = {"task_id": self._task.id, "turn": self._turns}
+        _, info = self._take_message(action)
         try:
             output = await asyncio.to_thread(self._skyrl.step, action)
         except Exception as error:  # a bug in the skyrl env must not cost the run; logged loudly
