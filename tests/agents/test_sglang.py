@@ -158,7 +158,10 @@ async def test_abort_in_flight_returns_partial_tokens_and_routes(standin: StandI
         return not rows
 
     await standin.wait_until(gone)
-    assert len(aborts) == 1 and most < 240  # ended by the disconnect's abort, not by its length
+    # Ended by the disconnect, not by its length: through the server's abort, or, when the HTTP server
+    # cancels the handler of a gone client before the server's check sees it, by that cancellation
+    # (the engine drops a cancelled request's row without an abort: rare, and only on a loaded machine).
+    assert len(aborts) <= 1 and most < 240
     await client.aclose()
 
 
