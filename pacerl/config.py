@@ -410,6 +410,7 @@ class RunConfig:
                 "runtime=ray": self.runtime == "ray",
                 f"engine_backend={self.engine_backend}": self.engine_backend != "embedded",
                 "engine.interrupt=continue": self.engine.interrupt == "continue",
+                f"loop.lag={self.loop.lag}": self.loop.lag > 0,
             }
             bad = [name for name, hit in refused.items() if hit]
             if bad:
@@ -417,7 +418,7 @@ class RunConfig:
                     f"emulation.clock=emulated cannot run with {', '.join(bad)}: the emulated clock drives "
                     "the embedded engine in this process and regenerates an interrupted turn's rest under "
                     "the new weights (reprefill); use runtime=local, engine_backend=embedded, "
-                    "engine.interrupt=reprefill"
+                    "engine.interrupt=reprefill, and no loop.lag (a fixed lag needs no cluster's clock)"
                 )
         ranks = self.learner.world_size
         if ranks > 1 and self.runtime == "ray" and self.ray.weight_sync == "broadcast":

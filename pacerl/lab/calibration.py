@@ -55,6 +55,28 @@ def collapse_step(
     return fell
 
 
+def held_out_collapse_step(
+    curve: Sequence[tuple[int, float]], fall: float = 0.5, recover: float = 0.8
+) -> int | None:
+    """The first evaluation step where held-out accuracy fell below `fall` × the best it had reached
+    (the warm start's included) and never came back to `recover` × that best at any later evaluation;
+    None if it never did. `curve` is (step, accuracy) in step order. A training reward can hold while the
+    policy forgets what it is not trained on: this reads the evaluation the detector does not."""
+    if not 0 < fall < recover <= 1:
+        raise ValueError(f"need 0 < fall < recover <= 1, got {fall}, {recover}")
+    steps = [step for step, _ in curve]
+    if steps != sorted(steps):
+        raise ValueError(f"the curve's steps must be in order, got {steps}")
+    best, fell = -math.inf, None
+    for step, accuracy in curve:
+        best = max(best, accuracy)
+        if fell is None and best > 0 and accuracy < fall * best:
+            fell = step
+        elif fell is not None and accuracy >= recover * best:
+            fell = None
+    return fell
+
+
 @dataclass(frozen=True)
 class CrossCheck:
     """What a run's entropy and gradient norms say, beside the reward detector: docs/algorithms.md §8 asks for
@@ -123,7 +145,10 @@ class SweepPoint:
     steps: int
     """Steps the run trained: T_max, where a run that never collapsed is censored."""
     collapse_step: int | None
-    """T_c (`collapse_step`), or None: no collapse within `steps`."""
+    """T_c (`collapse_step`), or None: no collapse within `steps` (or none with a step to name)."""
+    unstable: bool = False
+    """Collapsed by other evidence than a step: the cross-check's entropy blow-up with the reward and the
+    held-out evaluation still standing."""
 
     def __post_init__(self) -> None:
         if self.sync_interval < 1 or not self.lr > 0 or self.steps < 1:
@@ -136,7 +161,7 @@ class SweepPoint:
     @property
     def collapsed(self) -> bool:
         """Whether the run collapsed within its steps."""
-        return self.collapse_step is not None
+        return self.collapse_step is not None or self.unstable
 
 
 @dataclass(frozen=True)
@@ -222,6 +247,20 @@ def collapse_budget(points: Iterable[SweepPoint]) -> Spread | None:
     """B̂ = median of T_c·η over the collapsed runs; None when none collapsed."""
     values = [p.collapse_step * p.lr for p in points if p.collapse_step is not None]
     return spread(values) if values else None
+
+
+def per_seed_constants(points: Iterable[SweepPoint]) -> dict[int, float]:
+    """Ĉ of each seed's runs alone (`stability_constant` over that seed's boundaries), for the seeds whose
+    runs bracket η_max at some S: the spread over seeds is Ĉ's sampling noise."""
+    by_seed: dict[int, list[SweepPoint]] = {}
+    for point in points:
+        by_seed.setdefault(point.seed, []).append(point)
+    constants = {}
+    for seed, runs in sorted(by_seed.items()):
+        value = stability_constant(stability_boundaries(runs))
+        if value is not None:
+            constants[seed] = value.median
+    return constants
 
 
 def censored_budget_floor(points: Iterable[SweepPoint]) -> float | None:

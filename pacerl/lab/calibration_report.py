@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +24,15 @@ from pacerl.lab.calibration import (
     collapse_step,
     collapse_time_fit,
     cross_check,
+    held_out_collapse_step,
     lr_max_fit,
+    per_seed_constants,
     recommend_lr,
     smoothed,
     stability_boundaries,
     stability_constant,
 )
+from pacerl.lab.power import Interval, mean_interval
 from pacerl.plots import save_png
 
 if TYPE_CHECKING:
@@ -59,6 +63,14 @@ class PointResult:
     """Seconds the run trained."""
     rewards: list[float]
     """The training reward of every step (what the detector read)."""
+    collapsed_by: tuple[str, ...] = ()
+    """What said it collapsed: "reward" (the detector), "held-out" (its evaluation), "entropy blow-up"."""
+    staleness_mean: float | None = None
+    """Token mean of the versions between the trainer and the tokens it trained on (None: not recorded)."""
+    staleness_max: float | None = None
+    """The largest such gap."""
+    held_out: tuple[tuple[int, float], ...] = ()
+    """(step, held-out accuracy) of every evaluation, the warm start's at step 0."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,12 @@ class CalibrationResult:
     """The largest T_max·η among the runs that never collapsed."""
     recommendations: list[Recommendation]
     """The recommended η per S of the grid, at the horizon."""
+    c_hat_seeds: Interval | None = None
+    """Ĉ of each seed alone, as a mean with its 95% t-interval (None: no seed brackets η_max)."""
+    c_hat_bracket: tuple[float, float] | None = None
+    """Ĉ's grid bracket: the median over bracketed S of S·η_max and of S·η_collapse."""
+    b_hat_interval: Interval | None = None
+    """T_c·η over the collapsed runs with a step, as a mean with its 95% t-interval."""
 
 
 def analyse(records: Sequence[Mapping[str, Any]], options: Options) -> CalibrationResult:
@@ -88,8 +106,23 @@ def analyse(records: Sequence[Mapping[str, Any]], options: Options) -> Calibrati
     results = []
     for record in records:
         rewards = record["reward"]
+        held_out = tuple((int(step), float(accuracy)) for step, accuracy in record.get("held_out", ()))
+        check = cross_check(record["entropy"], record["grad_norm"])
+        by_reward, by_held_out = collapse_step(rewards), held_out_collapse_step(held_out)
+        evidence = {
+            "reward": by_reward is not None,
+            "held-out": by_held_out is not None,
+            "entropy blow-up": "entropy blow-up" in check.signals,
+        }
+        # T_c is the detector's step; a collapse only the evaluation saw is dated by the evaluation.
+        step = by_reward if by_reward is not None else by_held_out
         point = SweepPoint(
-            record["sync_interval"], record["lr"], record["seed"], record["steps"], collapse_step(rewards)
+            record["sync_interval"],
+            record["lr"],
+            record["seed"],
+            record["steps"],
+            None if step is None else max(1, min(step, record["steps"])),
+            unstable=evidence["entropy blow-up"],
         )
         tail = rewards[-FINAL_WINDOW:]
         results.append(
@@ -97,14 +130,21 @@ def analyse(records: Sequence[Mapping[str, Any]], options: Options) -> Calibrati
                 point=point,
                 final_reward=sum(tail) / len(tail),
                 peak_reward=max(smoothed(rewards)),
-                check=cross_check(record["entropy"], record["grad_norm"]),
+                check=check,
                 wall_s=record["wall_s"],
                 rewards=list(rewards),
+                collapsed_by=tuple(name for name, hit in evidence.items() if hit),
+                staleness_mean=record.get("staleness_mean"),
+                staleness_max=record.get("staleness_max"),
+                held_out=held_out,
             )
         )
     points = [result.point for result in results]
     boundaries = stability_boundaries(points)
     c_hat, b_hat = stability_constant(boundaries), collapse_budget(points)
+    seeds = list(per_seed_constants(points).values())
+    brackets = [b for b in boundaries if b.bracketed and b.lr_max is not None and b.lr_collapse is not None]
+    budgets = [p.collapse_step * p.lr for p in points if p.collapse_step is not None]
     return CalibrationResult(
         points=results,
         boundaries=boundaries,
@@ -117,6 +157,16 @@ def analyse(records: Sequence[Mapping[str, Any]], options: Options) -> Calibrati
             recommend_lr(c_hat, b_hat, b.sync_interval, options.horizon, options.safety, boundary=b)
             for b in boundaries
         ],
+        c_hat_seeds=mean_interval(seeds) if seeds else None,
+        c_hat_bracket=(
+            (
+                statistics.median(b.sync_interval * (b.lr_max or 0.0) for b in brackets),
+                statistics.median(b.sync_interval * (b.lr_collapse or 0.0) for b in brackets),
+            )
+            if brackets
+            else None
+        ),
+        b_hat_interval=mean_interval(budgets) if budgets else None,
     )
 
 
@@ -151,26 +201,39 @@ def _braces(values: Iterable[object]) -> str:
 
 def markdown_report(result: CalibrationResult, options: Options) -> str:
     """calibration.md: the grid table, then η_max per S, Ĉ, B̂, the exponents and the recommendation."""
+    how = (
+        "vanilla GRPO, every batch generated by the weights exactly S updates old"
+        if options.exact_lag
+        else "vanilla async GRPO, weights published every S updates"
+    )
     lines = [
-        "# Calibration of S and η (vanilla async GRPO)",
+        f"# Calibration of S and η ({how})",
         "",
         f"{len(result.points)} runs of {options.steps} steps: S ∈ {_braces(options.sync_intervals)} × "
         f"η ∈ {_braces(f'{lr:g}' for lr in options.lrs)} × seeds {_braces(options.seeds)}"
         + (f"; overrides: `{' '.join(options.overrides)}`" if options.overrides else "")
         + ". Collapse: the EMA-smoothed training reward (span 10) below half its running maximum without "
         "climbing back to 80% of it (docs/algorithms.md §8); runs that never collapse are censored at "
-        f"{options.steps} steps.",
+        f"{options.steps} steps. A run also counts as collapsed when its held-out accuracy falls below half "
+        "the best it reached without coming back to 80% of it (dated by that evaluation), or when its "
+        "entropy blows up (the cross-check). Staleness: versions between the trainer and the tokens it "
+        "trained on, token mean / max over the run.",
         "",
-        "| S | η | seed | collapsed | T_c | T_c·η | final reward | peak reward (EMA) | max grad-norm "
-        "| entropy drop | cross-check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| S | η | seed | collapsed | by | T_c | T_c·η | staleness | held-out acc | final reward "
+        "| peak reward (EMA) | max grad-norm | entropy drop | cross-check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result.points:
         point, check = row.point, row.check
         budget = None if point.collapse_step is None else point.collapse_step * point.lr
+        staleness = (
+            "–" if row.staleness_mean is None else f"{row.staleness_mean:.2f} / {_g(row.staleness_max)}"
+        )
+        held_out = f"{row.held_out[0][1]:.3f} → {row.held_out[-1][1]:.3f}" if len(row.held_out) >= 2 else "–"
         lines.append(
             f"| {point.sync_interval} | {point.lr:g} | {point.seed} | {'yes' if point.collapsed else 'no'} "
-            f"| {point.collapse_step if point.collapsed else '–'} | {_g(budget)} | {row.final_reward:.3f} "
+            f"| {', '.join(row.collapsed_by) or '–'} | {point.collapse_step or '–'} | {_g(budget)} "
+            f"| {staleness} | {held_out} | {row.final_reward:.3f} "
             f"| {row.peak_reward:.3f} | {_g(check.max_grad_norm)} | {_g(check.entropy_drop)} "
             f"| {', '.join(check.signals) or '–'} |"
         )
@@ -187,8 +250,24 @@ def markdown_report(result: CalibrationResult, options: Options) -> str:
         lines.append(f"- S = {boundary.sync_interval}: η_max {text}")
     lines += ["", "## The laws", ""]
     lines.append(_spread_text("Ĉ = S·η_max", result.c_hat, "no S has both a stable and a collapsing η"))
+    if result.c_hat_bracket is not None:
+        low, high = result.c_hat_bracket
+        lines.append(
+            f"  - The grid brackets it: the true S·η_max lies between {low:.3g} and {high:.3g} (median over "
+            "S of S·η_max and of S times the smallest collapsing η)."
+        )
+    if result.c_hat_seeds is not None:
+        lines.append(
+            f"  - Seed by seed: {result.c_hat_seeds.text(4)} (mean ± 95% t-interval over "
+            f"{result.c_hat_seeds.count} seed{'s' if result.c_hat_seeds.count != 1 else ''})."
+        )
     lines.append(_fit_text("η_max ∝ S^k", result.lr_fit))
     lines.append(_spread_text("B̂ = T_c·η", result.b_hat, "no run collapsed"))
+    if result.b_hat_interval is not None:
+        lines.append(
+            f"  - Mean over the collapsed runs: {result.b_hat_interval.text(4)} (95% t-interval, "
+            f"{result.b_hat_interval.count} runs)."
+        )
     lines.append(_fit_text("T_c ∝ η^k (collapsed runs, all S)", result.time_fit))
     if result.budget_floor is not None:
         above = result.b_hat is not None and result.budget_floor > result.b_hat.median
