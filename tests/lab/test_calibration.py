@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pacerl.cli import main
-from pacerl.lab.calibrate_cli import POINT_FILE, available_cpus
+from pacerl.lab.calibrate_cli import POINT_FILE, Options, available_cpus
 from pacerl.lab.calibration import (
     Spread,
     SweepPoint,
@@ -23,13 +23,16 @@ from pacerl.lab.calibration import (
     collapse_step,
     collapse_time_fit,
     cross_check,
+    held_out_collapse_step,
     lr_max_fit,
+    per_seed_constants,
     power_law_fit,
     recommend_lr,
     smoothed,
     stability_boundaries,
     stability_constant,
 )
+from pacerl.lab.calibration_report import analyse, markdown_report
 from tests.helpers import SUMS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,6 +115,65 @@ def test_boundaries_constants_and_fits_by_hand() -> None:
     # Stable runs: T_max·η up to 100·1e-3 = 0.1 (S = 1), far above B̂.
     assert censored_budget_floor(points) == pytest.approx(0.1)
     assert collapse_time_fit(points).points == 6
+
+
+def test_held_out_collapse_step_by_hand() -> None:
+    # Best 0.4 at step 5; 0.1 at step 10 is below half of it, 0.35 at 15 climbs back past 0.8·0.4 = 0.32,
+    # 0.15 at 20 falls again and stays down.
+    curve = [(0, 0.3), (5, 0.4), (10, 0.1), (15, 0.35), (20, 0.15), (25, 0.3)]
+    assert held_out_collapse_step(curve) == 20
+    assert held_out_collapse_step(curve[:4]) is None  # recovered by its last evaluation
+    # The warm start's accuracy counts as a best: a run that only falls from it collapses.
+    assert held_out_collapse_step([(0, 0.26), (5, 0.2), (10, 0.0), (15, 0.02)]) == 10
+    assert held_out_collapse_step([(0, 0.26), (5, 0.2), (10, 0.22)]) is None  # a dip is not a collapse
+    assert held_out_collapse_step([(0, 0.0), (5, 0.0)]) is None and held_out_collapse_step([]) is None
+    with pytest.raises(ValueError, match="in order"):
+        held_out_collapse_step([(5, 0.1), (0, 0.2)])
+
+
+def test_per_seed_constants_by_hand() -> None:
+    # Seed 0 brackets S = 2 at 3e-4 and S = 4 at 1e-4 (Ĉ median 5e-4); seed 1 only S = 2, at 1e-4
+    # (Ĉ 2e-4); seed 2 collapses everywhere (nothing bracketed, left out).
+    points = [
+        SweepPoint(2, 1e-4, 0, 30, None), SweepPoint(2, 3e-4, 0, 30, None), SweepPoint(2, 1e-3, 0, 30, 9),
+        SweepPoint(4, 1e-4, 0, 30, None), SweepPoint(4, 3e-4, 0, 30, 12),
+        SweepPoint(2, 1e-4, 1, 30, None), SweepPoint(2, 3e-4, 1, 30, None, unstable=True),
+        SweepPoint(2, 1e-4, 2, 30, 20),
+    ]  # fmt: skip
+    assert per_seed_constants(points) == pytest.approx({0: 5e-4, 1: 2e-4})
+    assert points[6].collapsed and points[6].collapse_step is None  # unstable: collapsed without a step
+    assert collapse_budget(points) is not None and collapse_budget(points).count == 3  # type: ignore[union-attr]
+
+
+def test_the_report_counts_held_out_and_entropy_collapses_and_shows_the_staleness(tmp_path: Path) -> None:
+    """A steady training reward is not stability: a run whose held-out accuracy falls for good collapsed
+    (dated by that evaluation), and so did one whose entropy blew up (no date)."""
+    steady, flat_entropy, norms = [0.5] * 20, [1.0] * 20, [1.0] * 20
+    base = {"steps": 20, "wall_s": 1.0, "reward": steady, "grad_norm": norms}
+    records = [
+        {**base, "sync_interval": 1, "lr": 1e-3, "seed": 0, "entropy": flat_entropy,
+         "staleness_mean": 0.95, "staleness_max": 1.0, "held_out": [[0, 0.3], [10, 0.28], [20, 0.3]]},
+        {**base, "sync_interval": 1, "lr": 2e-3, "seed": 0, "entropy": flat_entropy,
+         "staleness_mean": 0.95, "staleness_max": 1.0, "held_out": [[0, 0.3], [10, 0.1], [20, 0.05]]},
+        {**base, "sync_interval": 2, "lr": 1e-3, "seed": 0, "entropy": flat_entropy,
+         "staleness_mean": 1.85, "staleness_max": 2.0, "held_out": [[0, 0.3], [20, 0.3]]},
+        {**base, "sync_interval": 2, "lr": 2e-3, "seed": 0, "entropy": [1.0] * 10 + [3.0] * 10,
+         "staleness_mean": 1.85, "staleness_max": 2.0, "held_out": [[0, 0.3], [20, 0.3]]},
+    ]  # fmt: skip
+    options = Options(None, (1, 2), (1e-3, 2e-3), 20, (0,), 1, 20, 0.5, tmp_path, (), exact_lag=True)
+    result = analyse(records, options)
+    assert [row.collapsed_by for row in result.points] == [(), ("held-out",), (), ("entropy blow-up",)]
+    assert [row.point.collapse_step for row in result.points] == [None, 10, None, None]
+    assert [row.point.collapsed for row in result.points] == [False, True, False, True]
+    # η_max 1e-3 at both S: Ĉ values 1e-3 and 2e-3; the bracket's upper end is S times 2e-3.
+    assert result.c_hat is not None and result.c_hat.median == pytest.approx(1.5e-3)
+    assert result.c_hat_bracket == pytest.approx((1.5e-3, 3e-3))
+    assert result.c_hat_seeds is not None and result.c_hat_seeds.mean == pytest.approx(1.5e-3)
+    assert result.b_hat_interval is not None and result.b_hat_interval.mean == pytest.approx(0.02)
+    report = markdown_report(result, options)
+    assert "exactly S updates old" in report and "| 0.95 / 1 | 0.300 → 0.050 |" in report
+    assert "| yes | held-out | 10 | 0.02 |" in report and "| yes | entropy blow-up | – | – |" in report
+    assert "lies between 0.0015 and 0.003" in report
 
 
 def test_a_noisy_interval_is_flagged_and_counted_conservatively() -> None:
@@ -272,3 +334,39 @@ def test_calibrate_runs_a_grid_writes_its_report_and_resumes(
     # The same directory with other settings is refused before anything runs.
     assert main([*command[:-1], "rollout.max_total_tokens=128"]) == 2
     assert "finished with other settings" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # two subprocesses (warm start, one point): under a minute idle
+def test_exact_lag_trains_every_batch_at_the_lag_it_names(tmp_path: Path) -> None:
+    """`--exact-lag`: the point runs in sync mode with `loop.lag=S`, each step's tokens are exactly
+    min(S, version) updates old (a skipped step does not move the version), and the record keeps the
+    staleness and the held-out evaluations."""
+
+    def sums(path: Path, pairs: list[tuple[int, int]]) -> Path:
+        rows = [
+            {"id": f"add-{a}-{b}", "question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs
+        ]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return path
+
+    # A warm start on all 100 sums leaves the eight half learnt, so groups differ and steps update.
+    tasks = sums(tmp_path / "eight.jsonl", list(SUMS))
+    every = sums(tmp_path / "all.jsonl", [(a, b) for a in range(10) for b in range(10)])
+    out = tmp_path / "sweep"
+    command = ["calibrate", "--exact-lag", "--sync-intervals", "2", "--lrs", "1e-3", "--steps", "5",
+               "--out", str(out), "env.id=pacerl/Math-v0", f"env.tasks={tasks}", f"evaluation.tasks={tasks}",
+               f"sft.tasks={every}", "sft.steps=60", "sft.batch_size=32", "loop.batch_groups=4",
+               "evaluation.every=5", "evaluation.at_start=true", "evaluation.at_end=true"]  # fmt: skip
+    assert main(command) == 0
+    run_dir = out / "runs" / "S2-lr0.001-seed0"
+    run = json.loads((run_dir / "config.json").read_text())
+    assert (run["loop"]["mode"], run["loop"]["lag"], run["loop"]["sync_interval"]) == ("sync", 2, 1)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "reward" in row]
+    before = [int(row["version"] - row["updated"]) for row in steps]
+    assert [row["staleness/max_staleness"] for row in steps] == [min(2, v) for v in before]
+    record = json.loads((run_dir / POINT_FILE).read_text())
+    assert record["staleness_max"] == max(min(2, v) for v in before) == 2, before  # it did train
+    assert [step for step, _ in record["held_out"]] == [0, 5]
+    assert "| staleness |" in (out / "calibration.md").read_text()
