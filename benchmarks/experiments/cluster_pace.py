@@ -30,8 +30,11 @@ from common import (
     add_common_arguments,
     cluster_label,
     cluster_settings,
+    comparison_line,
     format_ci,
     markdown_table,
+    paired_comparison,
+    plot_curves,
     prepare,
     run_arms,
     shares,
@@ -122,17 +125,29 @@ def main() -> None:
         ("gs_shares", "tokens at GS 0/1/2+ (%)"),
         ("ws_shares", "tokens at WS 0/1/2+ (%)"),
         ("rejected_total", "rejected groups"),
+        ("interruptions", "interrupted turns"),
         ("wall_s", "wall s"),
     ]
+    for summary in summaries:
+        summary["interruptions"] = (summary.get("emulation") or {}).get("interruptions")
     cluster = cluster_label(args)
     heading = (
         f"PACE on an emulated cluster, {args.env}: {cluster}, "
         f"{args.gpu_hours:g} simulated GPU-hours per arm, "
         f"seeds {args.seeds}; sync's mean final accuracy {sync_final:.3f}"
     )
-    table = over_seeds(summaries, names, len(seeds))
+    table = over_seeds(summaries, names, len(seeds)) + "\n"
+    for arm in names:
+        if arm != "async" and arm != "sync":
+            table += comparison_line(paired_comparison(summaries, arm, "async"))
     title = f"{args.env}: validation accuracy at equal simulated GPU-hours ({cluster})"
-    print(write_results(f"cluster_pace-{slug}", heading, title, summaries, columns, before=table, axis=3))
+    stem = f"cluster_pace-{slug}"
+    print(write_results(stem, heading, title, summaries, columns, before=table, axis=3))
+    # The same curves against updates: what each step learnt, apart from what a step cost.
+    results = Path(__file__).resolve().parent / "results"
+    plot_curves(
+        summaries, results / f"{stem}-steps.png", f"{args.env}: validation accuracy per update", axis=1
+    )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pacerl.lab.calibration import collapse_step
+from pacerl.lab.calibration import collapse_step, held_out_collapse_step
 from pacerl.plots import save_png
 from pacerl.trainer.metrics import read_metrics
 
@@ -108,7 +108,19 @@ def provenance() -> dict[str, Any]:
 
     return {
         "commit": git("rev-parse", "HEAD") or "unknown",
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        # Code only: the docs and the results themselves change while an experiment runs.
+        "dirty": bool(
+            git(
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!docs",
+                ":!README.md",
+                ":!*/results/*",
+            )
+        ),
         "command": relative_paths(" ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])),
         "date": datetime.date.today().isoformat(),
     }
@@ -198,6 +210,11 @@ def summarise(run_dir: Path) -> dict[str, Any]:
         "routing_disagreement": mean("routing_disagreement"),
         "rejected": {k.removeprefix("rejected/"): v for k, v in last.items() if k.startswith("rejected/")},
         "collapse_step": collapse_step(rewards),
+        "held_out_collapse_step": held_out_collapse_step(
+            [(int(row["eval/version"]), float(row["eval/accuracy"])) for row in evals]
+        ),
+        "staleness_mean": mean("staleness/mean_staleness"),
+        "staleness_max": max((row.get("staleness/max_staleness", 0.0) for row in train), default=math.nan),
     }
 
 
@@ -251,6 +268,56 @@ def format_ci(values: Sequence[float | None], digits: int = 3, of: int | None = 
     return text if of is None or n == of else f"{text} ({n}/{of})"
 
 
+def paired_comparison(
+    summaries: Sequence[Mapping[str, Any]], arm: str, baseline: str, key: str = "eval_end"
+) -> dict[str, Any] | None:
+    """`arm` − `baseline` on `key`, seed by seed (the seeds both finished): the differences, their mean
+    with its 95% t-interval, the relative gain over the baseline's mean, and the minimum detectable effect
+    at this many seeds (`pacerl.lab.power`); None with fewer than two shared seeds."""
+    from pacerl.lab.power import mean_interval, minimum_detectable_effect
+
+    def values(name: str) -> dict[int, float]:
+        return {
+            int(s["seed"]): float(s[key])
+            for s in summaries
+            if s.get("arm") == name and "error" not in s and isinstance(s.get(key), int | float)
+        }
+
+    ours, theirs = values(arm), values(baseline)
+    seeds = sorted(set(ours) & set(theirs))
+    if len(seeds) < 2:
+        return None
+    differences = [ours[seed] - theirs[seed] for seed in seeds]
+    interval = mean_interval(differences)
+    base_mean = sum(theirs[seed] for seed in seeds) / len(seeds)
+    return {
+        "arm": arm,
+        "baseline": baseline,
+        "key": key,
+        "seeds": seeds,
+        "differences": differences,
+        "mean": interval.mean,
+        "half_width": interval.half_width,
+        "sd": interval.sd,
+        "baseline_mean": base_mean,
+        "relative": interval.mean / base_mean if base_mean else math.nan,
+        "mde": minimum_detectable_effect(interval.sd, len(seeds), paired=True),
+    }
+
+
+def comparison_line(comparison: Mapping[str, Any] | None) -> str:
+    """One markdown line of a `paired_comparison`."""
+    if comparison is None:
+        return ""
+    c = comparison
+    return (
+        f"- {c['arm']} − {c['baseline']} ({c['key']}, paired over {len(c['seeds'])} seeds): "
+        f"{c['mean']:+.3f} ± {c['half_width']:.3f} (95% t-interval; {100 * c['relative']:+.1f}% of the "
+        f"baseline's {c['baseline_mean']:.3f}); minimum detectable effect at these seeds {c['mde']:.3f} "
+        f"(α 0.05, power 0.8, from the seeds' spread sd {c['sd']:.3f}).\n"
+    )
+
+
 def run_arms(arms: Sequence[Arm], base: Mapping[str, Any], runs: Path, parallel: int) -> list[dict[str, Any]]:
     """`run_and_report` for every arm, `parallel` processes at a time with the CPUs divided among them;
     the summaries in the order of `arms`."""
@@ -277,8 +344,8 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[st
 
 
 def plot_curves(summaries: Sequence[Mapping[str, Any]], path: Path, title: str, axis: int = 0) -> None:
-    """Evaluation accuracy against wall-clock seconds (`axis` 0) or simulated GPU-hours (3), one colour
-    per arm and one line per seed."""
+    """Evaluation accuracy against wall-clock seconds (`axis` 0), updates (1) or simulated GPU-hours (3),
+    one colour per arm and one line per seed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -294,7 +361,12 @@ def plot_curves(summaries: Sequence[Mapping[str, Any]], path: Path, title: str, 
             colours.setdefault(arm, f"C{len(colours) % 10}")
             xs, ys = [p[axis] for p in curve], [p[2] for p in curve]
             axes.plot(xs, ys, marker="o", markersize=3, color=colours[arm], label=arm if first else None)
-    axes.set_xlabel("wall-clock seconds" if axis == 0 else "simulated GPU-hours (emulated cluster)")
+    labels = {
+        0: "wall-clock seconds",
+        1: "policy version (updates)",
+        3: "simulated GPU-hours (emulated cluster)",
+    }
+    axes.set_xlabel(labels.get(axis, f"column {axis}"))
     axes.set_ylabel("validation accuracy (greedy)")
     axes.set_title(title, fontsize=8)
     axes.legend(fontsize=7)
