@@ -103,3 +103,22 @@ def seeds_needed(effect: float, sd: float, *, paired: bool, limit: int = 10_000)
         if minimum_detectable_effect(sd, seeds, paired=paired) <= effect:
             return seeds
     return None
+
+
+def fisher_exact_greater(hits: int, trials: int, other_hits: int, other_trials: int) -> float:
+    """One-sided Fisher exact test: the probability, were both arms alike, that the first of two arms would
+    show `hits` or more of the pooled hits (collapses in `hits` of `trials` seeds against `other_hits` of
+    `other_trials`). Small values say the first arm is really worse; 3 seeds against 3 can reach no
+    smaller than 0.05 (3 of 3 against 0 of 3)."""
+    if not (0 <= hits <= trials and 0 <= other_hits <= other_trials) or min(trials, other_trials) < 1:
+        raise ValueError(
+            f"need 0 <= hits <= trials >= 1 for both arms, got {hits}/{trials}, {other_hits}/{other_trials}"
+        )
+    pooled, total = hits + other_hits, trials + other_trials
+    ways = math.comb(total, pooled)
+    tail = sum(
+        math.comb(trials, k) * math.comb(other_trials, pooled - k)
+        for k in range(hits, min(trials, pooled) + 1)
+        if pooled - k <= other_trials
+    )
+    return tail / ways

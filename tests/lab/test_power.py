@@ -6,7 +6,13 @@ import math
 
 import pytest
 
-from pacerl.lab.power import mean_interval, minimum_detectable_effect, seeds_needed, t_quantile
+from pacerl.lab.power import (
+    fisher_exact_greater,
+    mean_interval,
+    minimum_detectable_effect,
+    seeds_needed,
+    t_quantile,
+)
 
 
 def test_t_quantiles_from_the_table_and_the_normal_beyond() -> None:
@@ -59,3 +65,15 @@ def test_seeds_needed_by_hand() -> None:
     assert seeds_needed(1e-6, 1.0, paired=True, limit=50) is None
     with pytest.raises(ValueError, match="effect"):
         seeds_needed(0.0, 0.1, paired=True)
+
+
+def test_fisher_exact_by_hand() -> None:
+    # 2 of 3 against 0 of 3: two hits pooled over 6 seeds; both in the first arm: C(3,2)·C(3,0)/C(6,2) = 3/15.
+    assert fisher_exact_greater(2, 3, 0, 3) == pytest.approx(0.2)
+    # 3 of 3 against 0 of 3: 1/C(6,3) = 0.05, the smallest three seeds a side can give.
+    assert fisher_exact_greater(3, 3, 0, 3) == pytest.approx(0.05)
+    # 1 of 3 against 1 of 3: P(first >= 1) = 1 − P(first 0) = 1 − C(3,0)·C(3,2)/C(6,2) = 0.8.
+    assert fisher_exact_greater(1, 3, 1, 3) == pytest.approx(0.8)
+    assert fisher_exact_greater(0, 4, 2, 4) == 1.0
+    with pytest.raises(ValueError, match="hits"):
+        fisher_exact_greater(4, 3, 0, 3)
