@@ -28,6 +28,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, provenance, provenance_line, relative_paths, split_sums, sums_tasks
 
 
+def measured_staleness(runs: Path) -> str:
+    """Per lag: the staleness the runs trained at (versions between the learner and its tokens, token
+    means read from each run's metrics): over the whole run, over the steps after the first S (where no
+    weights older than the start are missing), and the largest."""
+    from pacerl.trainer.metrics import read_metrics
+
+    by_lag: dict[int, list[tuple[float, float, float]]] = {}
+    for point in sorted(runs.glob("*/point.json")):
+        record = json.loads(point.read_text())
+        lag = int(record["sync_interval"])
+        steps = [row for row in read_metrics(point.parent) if "reward" in row]
+
+        def token_mean(rows: list[dict[str, float]]) -> float:
+            tokens = sum(row["staleness/model_tokens"] for row in rows)
+            return (
+                sum(row["staleness/mean_staleness"] * row["staleness/model_tokens"] for row in rows) / tokens
+            )
+
+        settled = steps[lag:]
+        by_lag.setdefault(lag, []).append(
+            (token_mean(steps), token_mean(settled), max(row["staleness/max_staleness"] for row in steps))
+        )
+    lines = [
+        "## Measured staleness",
+        "",
+        "| S | runs | mean over the run | mean after the first S steps | max |",
+        "|---|---|---|---|---|",
+    ]
+    for lag, values in sorted(by_lag.items()):
+        whole, settled, most = zip(*values, strict=True)
+        lines.append(
+            f"| {lag} | {len(values)} | {min(whole):.2f} – {max(whole):.2f} | {min(settled):.2f} – "
+            f"{max(settled):.2f} | {max(most):g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds")
@@ -62,7 +99,7 @@ def main() -> None:
     subprocess.run(command, cwd=ROOT, check=True)
     results = ROOT / "benchmarks" / "experiments" / "results"
     made = provenance()
-    report = (out / "calibration.md").read_text()
+    report = measured_staleness(out / "runs") + "\n" + (out / "calibration.md").read_text()
     heading = f"Staleness × learning rate at an exact lag (50 sums trained, 50 held out), seeds {args.seeds}"
     text = f"{heading}\n\n{provenance_line(made)}\n\n{report}"
     (results / f"{args.name}.md").write_text(relative_paths(text))
