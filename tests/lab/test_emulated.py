@@ -510,6 +510,7 @@ def test_an_emulated_async_run_trains_on_turns_the_clock_cut_between_versions(
     [
         ({"runtime": "ray"}, "runtime=ray"),
         ({"engine": {"interrupt": "continue"}}, "engine.interrupt=continue"),
+        ({"loop": {"mode": "sync", "lag": 2}}, "loop.lag=2"),
         ({"emulation": {"clock": "emulated", "preset": "h100"}}, "emulation.preset must be one of"),
         ({"emulation": {"clock": "emulated", "token_scale": 0}}, "token_scale must be an integer >= 1"),
         ({"emulation": {"clock": "emulated", "inference_gpus": 0}}, "inference_gpus must be an integer >= 1"),
