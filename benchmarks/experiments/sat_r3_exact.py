@@ -117,6 +117,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (near the toy's edge)")
     parser.add_argument("--router-noise", type=float, default=0.1, help="engine.router_noise")
     parser.add_argument("--r3-only", action="store_true", help="GSPO with and without R3 only (no SAT arms)")
+    parser.add_argument(
+        "--tasks",
+        choices=("half", "eight"),
+        default="half",
+        help="half: RL on 50 sums, evaluated on the other 50; eight: RL and evaluation on the eight sums of "
+        "the earlier emulated-cluster runs (to replay their setting)",
+    )
     parser.add_argument("--sft-steps", type=int, default=60)
     parser.add_argument("--parallel", type=int, default=2, help="arms trained at a time")
     parser.add_argument("--set", action="append", default=[], help="extra key=value for every arm")
@@ -124,8 +131,8 @@ def main() -> None:
     args = parser.parse_args()
     runs = ROOT / "runs" / "experiments" / args.name
     shared = ROOT / "runs" / "experiments" / "sat_r3_exact-shared"  # one warm start for every --name
-    every, _ = sums_tasks(shared / "tasks")
-    train, held_out = split_sums(shared / "tasks")
+    every, eight = sums_tasks(shared / "tasks")
+    train, held_out = split_sums(shared / "tasks") if args.tasks == "half" else (eight, eight)
     model = warm_start(
         shared / "warm-start", ENV, args.sft_steps, {"sft.tasks": str(every), "sft.batch_size": 32}
     )
@@ -134,7 +141,7 @@ def main() -> None:
         "env.id": ENV,
         "env.tasks": str(train),
         "evaluation.tasks": str(held_out),
-        "evaluation.settings.max_tasks": 50,
+        "evaluation.settings.max_tasks": 50 if args.tasks == "half" else 8,
         "evaluation.every": 5,
         "evaluation.at_end": True,
         "learner.lr": args.lr,
@@ -168,8 +175,13 @@ def main() -> None:
     for name, _, extra in chosen:
         if name != f"gspo-lag{extra['lag']}":
             table += comparison_line(paired_comparison(summaries, name, f"gspo-lag{extra['lag']}"))
+    where = (
+        "RL on 50 sums, greedy accuracy on the 50 held out"
+        if args.tasks == "half"
+        else ("RL and greedy accuracy on the eight sums")
+    )
     heading = (
-        f"SAT and R3 at an exact lag ({ENV}: RL on 50 sums, greedy accuracy on the 50 held out; "
+        f"SAT and R3 at an exact lag ({ENV}: {where}; "
         f"lr {args.lr:g}, router noise {args.router_noise:g}, {args.steps} steps of 4 groups × 8), "
         f"seeds {args.seeds}"
     )
