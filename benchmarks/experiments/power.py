@@ -47,9 +47,9 @@ PAPER_GAINS: list[tuple[str, str, str, str, str, float, str]] = [
      "SAT Table 1: 34.00 vs 32.25 at lag 1"),
     ("(b) SAT-GSPO, lag 8, lr 5e-4", SAT_EDGE, "sat-gspo-lag8", "gspo-lag8", "eval_end", 32.71 / 31.46 - 1,
      "SAT Table 1: 32.71 vs 31.46 at lag 8"),
-    ("Search RL after 150 SFT steps (after − before)", "search_rl-search-v0", "sync RL", "", "gain", 0.0,
+    ("Search RL after 150 SFT steps", "search_rl-search-v0", "sync RL", "", "gain", 0.0,
      "no paper: this project's own one-seed claim of a gain"),
-    ("Search RL after 300 SFT steps (after − before)", "search_rl-sft300-search-v0", "sync RL", "", "gain", 0.0,
+    ("Search RL after 300 SFT steps", "search_rl-sft300-search-v0", "sync RL", "", "gain", 0.0,
      "no paper: the warm start the env's recipe asks for"),
 ]  # fmt: skip
 """The comparisons the papers report as gains, in this project's arms."""
