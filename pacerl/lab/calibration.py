@@ -70,7 +70,7 @@ def held_out_collapse_step(
     best, fell = -math.inf, None
     for step, accuracy in curve:
         best = max(best, accuracy)
-        if fell is None and best > 0 and accuracy < fall * best:
+        if fell is None and accuracy < fall * best:  # never below a best of zero
             fell = step
         elif fell is not None and accuracy >= recover * best:
             fell = None

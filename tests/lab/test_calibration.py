@@ -176,6 +176,18 @@ def test_the_report_counts_held_out_and_entropy_collapses_and_shows_the_stalenes
     assert "lies between 0.0015 and 0.003" in report
 
 
+def test_a_collapse_both_judges_see_is_dated_by_the_reward_detector(tmp_path: Path) -> None:
+    rewards = [0.5] * 5 + [0.0] * 15
+    record = {
+        "sync_interval": 2, "lr": 1e-3, "seed": 0, "steps": 20, "wall_s": 1.0, "reward": rewards,
+        "entropy": [1.0] * 5, "grad_norm": [1.0] * 5, "held_out": [[0, 0.3], [5, 0.3], [15, 0.0], [20, 0.0]],
+    }  # fmt: skip
+    options = Options(None, (2,), (1e-3,), 20, (0,), 1, 20, 0.5, tmp_path, (), exact_lag=True)
+    (row,) = analyse([record], options).points
+    assert row.collapsed_by == ("reward", "held-out")
+    assert row.point.collapse_step == collapse_step(rewards) != 15
+
+
 def test_a_noisy_interval_is_flagged_and_counted_conservatively() -> None:
     points = [
         SweepPoint(2, 1e-4, 0, 30, None),

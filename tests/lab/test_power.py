@@ -62,6 +62,8 @@ def test_seeds_needed_by_hand() -> None:
     # n = 16, df 30: (2.042 + 0.854)·0.3536 = 1.024).
     assert seeds_needed(0.1, 0.1, paired=False) == 17
     assert seeds_needed(0.1, 0.0, paired=True) == 2
+    # An effect exactly at the MDE of n seeds needs n, not n + 1.
+    assert seeds_needed(minimum_detectable_effect(0.1, 5, paired=True), 0.1, paired=True) == 5
     assert seeds_needed(1e-6, 1.0, paired=True, limit=50) is None
     with pytest.raises(ValueError, match="effect"):
         seeds_needed(0.0, 0.1, paired=True)
