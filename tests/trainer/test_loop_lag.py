@@ -15,7 +15,7 @@ from pacerl.agents.trajectory import Trajectory
 from pacerl.trainer.learner import StepResult
 from pacerl.trainer.loop import LoopConfig, train_sync
 from pacerl.trainer.pool import FilterConfig
-from tests.trainer.test_loop_liveness import STEPS, FakeEngine, FakeLearner, make_run, run_bounded
+from tests.trainer.loop_fakes import STEPS, FakeEngine, FakeLearner, make_run, run_bounded
 
 
 class VersionedWeightsLearner(FakeLearner):
