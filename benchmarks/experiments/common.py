@@ -218,6 +218,11 @@ def summarise(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def collapsed(run: Mapping[str, Any]) -> bool:
+    """Whether a summarised run collapsed: by the reward detector or by its held-out evaluation."""
+    return run.get("collapse_step") is not None or run.get("held_out_collapse_step") is not None
+
+
 def _tail_mean(values: Sequence[float], share: float) -> float:
     tail = values[-max(1, int(len(values) * share)) :] if values else []
     return sum(tail) / len(tail) if tail else math.nan

@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, markdown_table, paired_comparison, provenance, provenance_line
+from common import ROOT, collapsed, markdown_table, paired_comparison, provenance, provenance_line
 
 from pacerl.lab.power import fisher_exact_greater, mean_interval, minimum_detectable_effect, seeds_needed
 
@@ -128,10 +128,6 @@ def gain_rows() -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-def collapsed(run: Mapping[str, Any]) -> bool:
-    return run.get("collapse_step") is not None or run.get("held_out_collapse_step") is not None
 
 
 def collapse_rows(pairs: Sequence[tuple[str, str, str, str]]) -> list[dict[str, Any]]:

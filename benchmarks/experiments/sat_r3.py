@@ -22,17 +22,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Arm, add_common_arguments, prepare, run_and_report, write_results
 
 
-def arms(lags: list[int]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+def arms(
+    lags: list[int], r3_only: bool = False, lag_key: str = "loop.sync_interval"
+) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(name, overrides, table columns) of every arm: GSPO and SAT-GSPO (only GSPO with `r3_only`), each
+    with and without R3, at each lag, set as `lag_key` (async's publication interval, or `loop.lag`)."""
     found = []
     for lag in lags:
         for loss, sat in (("gspo", False), ("sat-gspo", True)):
             for r3 in (False, True):
+                if r3_only and sat:
+                    continue
                 name = f"{loss}{'+r3' if r3 else ''}-lag{lag}"
                 overrides = {
                     "learner.loss.name": "gspo",
                     "learner.loss.sat": sat,
                     "learner.routing_replay": r3,
-                    "loop.sync_interval": lag,
+                    lag_key: lag,
                 }
                 found.append((name, overrides, {"lag": lag, "loss": loss, "r3": r3}))
     return found

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     ROOT,
     Arm,
+    collapsed,
     comparison_line,
     format_ci,
     markdown_table,
@@ -37,30 +38,9 @@ from common import (
     warm_start,
     write_results,
 )
+from sat_r3 import arms  # the same arms, each lag a fixed one (loop.lag)
 
 ENV = "pacerl/Math-v0"
-
-
-def arms(lags: list[int], r3_only: bool) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """(name, overrides, table columns) of every arm: each loss with and without R3 at each lag."""
-    found = []
-    for lag in lags:
-        for loss, sat in (("gspo", False), ("sat-gspo", True)):
-            for r3 in (False, True):
-                if r3_only and sat:
-                    continue
-                name = f"{loss}{'+r3' if r3 else ''}-lag{lag}"
-                overrides = {
-                    "learner.loss.name": "gspo",
-                    "learner.loss.sat": sat,
-                    "learner.routing_replay": r3,
-                }
-                found.append((name, {**overrides, "loop.lag": lag}, {"lag": lag, "loss": loss, "r3": r3}))
-    return found
-
-
-def collapsed(run: dict[str, Any]) -> bool:
-    return run.get("collapse_step") is not None or run.get("held_out_collapse_step") is not None
 
 
 def over_seeds(summaries: list[dict[str, Any]], names: list[str], seeds: int) -> str:
@@ -151,7 +131,7 @@ def main() -> None:
         "loop.batch_groups": 4,
     }
     base.update(dict(item.split("=", 1) for item in args.set))
-    chosen = arms([int(lag) for lag in args.lags.split(",")], args.r3_only)
+    chosen = arms([int(lag) for lag in args.lags.split(",")], args.r3_only, lag_key="loop.lag")
     seeds = [int(s) for s in args.seeds.split(",")]
     plan = [Arm(name, overrides, seed, extra=extra) for seed in seeds for name, overrides, extra in chosen]
     summaries = run_arms(plan, base, runs, args.parallel)

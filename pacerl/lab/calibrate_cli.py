@@ -399,13 +399,13 @@ def run_point(
         code = subprocess.run([*command, *pairs], stdout=output, stderr=output).returncode
     if code != 0:
         raise RuntimeError(f"{point.label()}: pacerl train exited with {code} ({_last_line(log)}); see {log}")
-    steps = [row for row in read_metrics(run_dir) if "reward" in row]
+    rows = read_metrics(run_dir)
+    steps = [row for row in rows if "reward" in row]
     if len(steps) != options.steps:  # Ctrl-C ends a run early, with a checkpoint and exit code 0
         raise RuntimeError(f"{point.label()}: stopped after {len(steps)} of {options.steps} steps")
     updates = [row for row in steps if row.get("updated")]
     tokens = [float(row.get("staleness/model_tokens", 0.0)) for row in steps]
     ages = [float(row.get("staleness/mean_staleness", 0.0)) for row in steps]
-    rows = read_metrics(run_dir)
     evaluations = [(int(row["step"]), float(row["eval/accuracy"])) for row in rows if "eval/accuracy" in row]
     record = {
         "sync_interval": point.sync_interval,
